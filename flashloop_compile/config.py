@@ -1,0 +1,285 @@
+"""FlashLoopConfig: the one immutable description of which FlashLoop features run and how.
+
+Three independent groups, each off by default. A config is validated when it is built
+(messages say what to change), hashes stably (the hash is part of every compile-cache key and
+benchmark record), prints readably, and round-trips through a flat dict so that it can be passed
+as ``torch.compile(..., backend="flashloop", options={...})``.
+
+Loop numbers are one-based here, as in the paper: ``retention[0]`` is loop 1.
+Checks that need the model (number of loops) live in :meth:`FlashLoopConfig.resolve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "ConfigError",
+    "ceil_fraction",
+    "TokenSparsePrefill",
+    "SparseDecodeAttention",
+    "KVResidualQuantization",
+    "FlashLoopConfig",
+]
+
+
+class ConfigError(ValueError):
+    """A FlashLoop configuration that cannot be used as given."""
+
+
+def ceil_fraction(ratio: float, n: int) -> int:
+    """``max(1, ceil(ratio * n))`` with the ratio read as the decimal the user wrote.
+
+    Plain float arithmetic makes ``ceil(0.1 * 30)`` 4 (0.1 * 30 == 3.0000000000000004); rounding
+    the product to 9 decimals first gives 3, which is what "10% of 30 tokens" means.
+    """
+    if n <= 0:
+        return 0
+    return max(1, math.ceil(round(ratio * n, 9)))
+
+
+def _ratio_tuple(name: str, value: Any) -> tuple[float, ...]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    if isinstance(value, (int, float)):
+        value = [value]
+    try:
+        out = tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a list of numbers such as [1, 1, 0.25, 0.10], got {value!r}") from None
+    for v in out:
+        if not (0.0 < v <= 1.0) or math.isnan(v):
+            raise ConfigError(f"{name} values must lie in (0, 1], got {v} in {list(out)}")
+    return out
+
+
+@dataclass(frozen=True)
+class TokenSparsePrefill:
+    """Loops 1-2 dense; before loop r >= 3 keep a nested top-k of prompt tokens per window.
+
+    window: tokens per selection window, anchored at absolute prompt position 0; ``None`` means
+        one window over the whole prompt (global selection).
+    retention: fraction of each window's *original* length kept at each loop (one-based);
+        budget = max(1, ceil(ratio * window_length)). Loops 1 and 2 must be 1.
+    keep_last_token: always keep the prompt's last token active (the paper's engine); the RFC
+        reserves no slot for it (False).
+    """
+
+    enabled: bool = False
+    window: int | None = None
+    retention: tuple[float, ...] = (1.0, 1.0, 0.25, 0.10)
+    keep_last_token: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "retention", _ratio_tuple("token_sparse_prefill.retention", self.retention))
+        if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1):
+            raise ConfigError(f"token_sparse_prefill.window must be a positive int or None (global), got {self.window!r}")
+        r = self.retention
+        if len(r) < 2 or r[0] != 1.0 or r[1] != 1.0:
+            raise ConfigError(
+                f"token_sparse_prefill.retention must start with [1, 1] (loops 1 and 2 run densely: "
+                f"they produce the two states the first score needs), got {list(r)}"
+            )
+        for a, b in zip(r, r[1:]):
+            if b > a:
+                raise ConfigError(
+                    f"token_sparse_prefill.retention must be non-increasing (active sets are nested), got {list(r)}"
+                )
+
+    def budgets(self, window_length: int) -> tuple[int, ...]:
+        """Static per-loop token budget of a window of this many tokens."""
+        return tuple(ceil_fraction(ratio, window_length) for ratio in self.retention)
+
+    @property
+    def selects(self) -> bool:
+        """Whether any selection work runs at all (all-100% retention skips it)."""
+        return self.enabled and any(v < 1.0 for v in self.retention)
+
+
+@dataclass(frozen=True)
+class SparseDecodeAttention:
+    """Loop 2 is the full-attention reference; loops 3..R recompute a top-k key set and correct.
+
+    key_fraction: fraction of the causal keys kept per (layer, query, head) at each sparse loop;
+        one number for every sparse loop, or one per loop 3..R. k = ceil(fraction * causal_length).
+    """
+
+    enabled: bool = False
+    reference_loop: int = 2
+    key_fraction: tuple[float, ...] = (0.10,)
+
+    def __post_init__(self) -> None:
+        if self.reference_loop != 2:
+            raise ConfigError(
+                f"sparse_decode_attention.reference_loop must be 2 (the FlashLoop reference loop), got {self.reference_loop!r}"
+            )
+        object.__setattr__(self, "key_fraction", _ratio_tuple("sparse_decode_attention.key_fraction", self.key_fraction))
+        if not self.key_fraction:
+            raise ConfigError("sparse_decode_attention.key_fraction must not be empty")
+
+    def fraction_at(self, loop: int) -> float:
+        """Key fraction of a one-based sparse loop (>= reference_loop + 1)."""
+        kf = self.key_fraction
+        return kf[0] if len(kf) == 1 else kf[loop - self.reference_loop - 1]
+
+    @property
+    def selects(self) -> bool:
+        return self.enabled and any(v < 1.0 for v in self.key_fraction)
+
+
+_PARAM_DTYPES = ("float16",)
+
+
+@dataclass(frozen=True)
+class KVResidualQuantization:
+    """INT4 base for loop 1, INT4 residuals against the reconstructed predecessor for later loops.
+
+    group_size: values per affine group (K: one channel across group_size token rows; V: one
+        token across group_size channels). tail: recent tokens kept in BF16; the tail holds
+        tail..tail+group_size-1 tokens after each step and flushes whole groups.
+    """
+
+    enabled: bool = False
+    bits: int = 4
+    group_size: int = 64
+    param_dtype: str = "float16"
+    tail: int = 64
+
+    def __post_init__(self) -> None:
+        if self.bits != 4:
+            raise ConfigError(f"kv_residual_quantization.bits must be 4 (the packed kernels store INT4), got {self.bits!r}")
+        if self.group_size not in (16, 32, 64, 128):
+            raise ConfigError(f"kv_residual_quantization.group_size must be one of 16, 32, 64, 128, got {self.group_size!r}")
+        if self.param_dtype not in _PARAM_DTYPES:
+            raise ConfigError(
+                f"kv_residual_quantization.param_dtype must be one of {_PARAM_DTYPES}, got {self.param_dtype!r}"
+            )
+        if not isinstance(self.tail, int) or self.tail < self.group_size or self.tail % self.group_size:
+            raise ConfigError(
+                f"kv_residual_quantization.tail must be a positive multiple of group_size={self.group_size}, got {self.tail!r}"
+            )
+
+
+_GROUPS: dict[str, type] = {
+    "token_sparse_prefill": TokenSparsePrefill,
+    "sparse_decode_attention": SparseDecodeAttention,
+    "kv_residual_quantization": KVResidualQuantization,
+}
+
+
+@dataclass(frozen=True)
+class FlashLoopConfig:
+    """The effective FlashLoop configuration. All features off by default (dense path)."""
+
+    token_sparse_prefill: TokenSparsePrefill = field(default_factory=TokenSparsePrefill)
+    sparse_decode_attention: SparseDecodeAttention = field(default_factory=SparseDecodeAttention)
+    kv_residual_quantization: KVResidualQuantization = field(default_factory=KVResidualQuantization)
+
+    @classmethod
+    def all_on(cls, **overrides: Any) -> "FlashLoopConfig":
+        """Every feature enabled with default parameters (flat-dict overrides allowed)."""
+        flat = {f"{g}.enabled": True for g in _GROUPS}
+        flat.update(overrides)
+        return cls.from_dict(flat)
+
+    @classmethod
+    def from_switches(cls, token_sparse: bool, sparse_decode: bool, quantize: bool, **overrides: Any) -> "FlashLoopConfig":
+        """One of the 8 feature combinations, default parameters."""
+        flat = {
+            "token_sparse_prefill.enabled": token_sparse,
+            "sparse_decode_attention.enabled": sparse_decode,
+            "kv_residual_quantization.enabled": quantize,
+        }
+        flat.update(overrides)
+        return cls.from_dict(flat)
+
+    @property
+    def any_enabled(self) -> bool:
+        return any(getattr(self, g).enabled for g in _GROUPS)
+
+    @property
+    def switches(self) -> tuple[bool, bool, bool]:
+        return tuple(getattr(self, g).enabled for g in _GROUPS)  # type: ignore[return-value]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat ``{"group.param": value}`` dict (lists for tuples): the torch.compile ``options`` form."""
+        flat: dict[str, Any] = {}
+        for g in _GROUPS:
+            for f in dataclasses.fields(getattr(self, g)):
+                v = getattr(getattr(self, g), f.name)
+                flat[f"{g}.{f.name}"] = list(v) if isinstance(v, tuple) else v
+        return flat
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> "FlashLoopConfig":
+        """Build from the flat dict of :meth:`to_dict`; unknown keys are errors."""
+        grouped: dict[str, dict[str, Any]] = {g: {} for g in _GROUPS}
+        for key, value in (options or {}).items():
+            group, _, name = str(key).partition(".")
+            if group not in _GROUPS or not name:
+                raise ConfigError(
+                    f"unknown FlashLoop option {key!r}: keys look like 'group.parameter' with group one of {sorted(_GROUPS)}"
+                )
+            names = {f.name for f in dataclasses.fields(_GROUPS[group])}
+            if name not in names:
+                raise ConfigError(f"unknown FlashLoop option {key!r}: {group} has parameters {sorted(names)}")
+            grouped[group][name] = value
+        return cls(**{g: _GROUPS[g](**kw) for g, kw in grouped.items()})
+
+    @classmethod
+    def coerce(cls, options: "FlashLoopConfig | Mapping[str, Any] | None") -> "FlashLoopConfig":
+        """Accept a config object, its flat dict, or None (all off)."""
+        if isinstance(options, FlashLoopConfig):
+            return options
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(f"FlashLoop options must be a FlashLoopConfig or a flat dict, got {type(options).__name__}")
+        return cls.from_dict(options)
+
+    def resolve(self, num_loops: int) -> "FlashLoopConfig":
+        """Check the config against a model with ``num_loops`` recurrent loops; returns self."""
+        tsp, sda = self.token_sparse_prefill, self.sparse_decode_attention
+        if tsp.enabled and len(tsp.retention) != num_loops:
+            raise ConfigError(
+                f"token_sparse_prefill.retention has {len(tsp.retention)} entries but the model runs {num_loops} loops: "
+                f"give one ratio per loop"
+            )
+        if sda.enabled:
+            n_sparse = num_loops - sda.reference_loop
+            if n_sparse < 1:
+                raise ConfigError(
+                    f"sparse_decode_attention needs at least {sda.reference_loop + 1} loops (reference loop "
+                    f"{sda.reference_loop} plus a sparse loop); the model runs {num_loops}"
+                )
+            if len(sda.key_fraction) not in (1, n_sparse):
+                raise ConfigError(
+                    f"sparse_decode_attention.key_fraction has {len(sda.key_fraction)} entries; give one number or "
+                    f"one per sparse loop 3..{num_loops} ({n_sparse} entries)"
+                )
+        return self
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def hash(self) -> str:
+        """Stable short hash of the effective configuration (compile-cache keys, benchmark records)."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:16]
+
+    def __str__(self) -> str:
+        parts = []
+        for g in _GROUPS:
+            grp = getattr(self, g)
+            if not grp.enabled:
+                parts.append(f"{g}=off")
+                continue
+            params = ", ".join(
+                f"{f.name}={list(getattr(grp, f.name)) if isinstance(getattr(grp, f.name), tuple) else getattr(grp, f.name)}"
+                for f in dataclasses.fields(grp)
+                if f.name != "enabled"
+            )
+            parts.append(f"{g}=on({params})")
+        return f"FlashLoopConfig[{self.hash()}]({'; '.join(parts)})"
