@@ -1,18 +1,80 @@
-"""The ``flashloop`` torch.compile backend (registered through the torch_dynamo_backends entry point)."""
+"""The ``flashloop`` torch.compile backend.
+
+``torch.compile(model, backend="flashloop", options=...)`` with ``options`` the flat dict of
+:class:`FlashLoopConfig` or the config itself. The effective configuration is resolved once per
+compile and logged with its hash. With every feature off the graph is handed to Inductor
+untouched (the result equals ``backend="inductor"``). Otherwise the graph Dynamo captured is
+recognized (:mod:`flashloop_compile.passes.recognize`), the enabled feature passes rewrite it
+into ``flashloop`` ops, and Inductor compiles the result, so norms, projections and MLPs still
+fuse around the ops.
+
+Recompiles: the dense model keeps one static cache per (loop, layer) and takes positions as a
+tensor, so a decode graph (one token per row) has the same shapes at every context length and
+compiles once. Prefill graphs specialize on the prompt length unless the token dimension is
+marked dynamic (``dynamic=True`` or ``torch._dynamo.mark_dynamic(input_ids, 1)``); the generator
+pads prompts to length buckets instead.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-import torch
+import torch.fx as fx
 
 from flashloop_compile.config import FlashLoopConfig
+from flashloop_compile.passes.manager import PassManager, RewriteReport
+
+__all__ = ["flashloop_backend", "make_backend", "last_report"]
+
+log = logging.getLogger("flashloop_compile")
+
+_reports: list[RewriteReport] = []
 
 
-def flashloop_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None):
+def last_report() -> RewriteReport | None:
+    """What the most recent flashloop compile recognized and rewrote (diagnostics, tests)."""
+    return _reports[-1] if _reports else None
+
+
+def flashloop_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Any = None, **kwargs: Any):
+    if kwargs:
+        raise TypeError(
+            f"backend='flashloop' takes options=..., not {sorted(kwargs)}; mode= is an inductor setting"
+        )
+    return _compile(gm, example_inputs, FlashLoopConfig.coerce(options), inner="inductor")
+
+
+def make_backend(options: Any = None, *, inner: str = "inductor"):
+    """A backend callable with a fixed config; ``inner="eager"`` runs the rewritten graph without
+    Inductor (fast CPU tests of the rewrites themselves)."""
+    if inner not in ("inductor", "eager"):
+        raise ValueError(f"inner must be 'inductor' or 'eager', got {inner!r}")
     config = FlashLoopConfig.coerce(options)
-    if config.any_enabled:
-        raise NotImplementedError("FlashLoop features are not implemented in the backend yet")
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any]):
+        return _compile(gm, example_inputs, config, inner)
+
+    return backend
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopConfig, inner: str):
+    manager = PassManager(config)
+    report = manager.run(gm)
+    log.info("%s; config %s; passes %s", report, config, manager.uuid())
+    _reports.append(report)
+    del _reports[:-16]
+    if inner == "eager":
+        return gm.forward
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
+
+
+def register() -> None:
+    """Make ``backend="flashloop"`` resolvable without the installed entry point (source checkouts)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "flashloop" not in _BACKENDS:
+        register_backend(name="flashloop")(flashloop_backend)
+

@@ -74,6 +74,50 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def capture_graphs(model, batch: int, prompt_len: int, max_seq: int) -> dict[str, "torch.fx.GraphModule"]:
+    """Dynamo graphs of a prefill (batch x prompt_len) and a decode step (batch x 1)."""
+    captured: dict[str, torch.fx.GraphModule] = {}
+
+    def grab(name):
+        def backend(gm, example_inputs):
+            captured[name] = gm
+            return gm.forward
+
+        return backend
+
+    device = model.lm_head.weight.device
+    model.setup_caches(batch, max_seq)
+    ids = torch.zeros(batch, prompt_len, dtype=torch.long, device=device)
+    pos = torch.arange(prompt_len, device=device)[None].expand(batch, -1)
+    with torch.no_grad():
+        for name, (i, p) in {"prefill": (ids, pos), "decode": (ids[:, :1], pos[:, -1:] + 1)}.items():
+            torch._dynamo.reset()
+            torch.compile(model, backend=grab(name), dynamic=False, fullgraph=True)(i, p)
+    torch._dynamo.reset()
+    return captured
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from flashloop_compile.models.ouro import OuroForCausalLM
+    from flashloop_compile.passes import PassManager, recognize
+
+    if args.checkpoint:
+        model = OuroForCausalLM.from_pretrained(args.checkpoint, device="meta" if args.meta else "cpu")
+    else:
+        model = OuroForCausalLM.from_preset(args.preset, device="meta" if args.meta else "cpu")
+    config = _config(args, default_all_on=True).resolve(model.config.num_loops)
+    print(f"model: {args.checkpoint or args.preset}; flashloop: {config}")
+    manager = PassManager(config)
+    for phase, gm in capture_graphs(model, args.batch, args.prompt_len, args.max_seq).items():
+        structure = recognize(gm)
+        print(f"\n== {phase} graph (batch {args.batch}, {args.prompt_len if phase == 'prefill' else 1} tokens) ==")
+        print(structure.summary(), end="")
+        print("rewrites:")
+        for line in manager.plan(structure) or ["none (all features off)"]:
+            print(f"  {line}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashloop-compile", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -92,11 +136,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-len", type=int, default=320)
     g.add_argument("--new-tokens", type=int, default=24)
     g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("inspect", help="print the recognized loop structure and the rewrites each enabled feature makes")
+    model_args(i)
+    i.add_argument("--batch", type=int, default=2)
+    i.add_argument("--prompt-len", type=int, default=16)
+    i.add_argument("--max-seq", type=int, default=128)
+    i.add_argument("--meta", action=argparse.BooleanOptionalAction, default=None,
+                   help="trace on the meta device (no weights allocated; default for non-tiny presets)")
+    i.set_defaults(func=cmd_inspect)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "meta", False) is None:
+        args.meta = bool(args.checkpoint is None and args.preset != "tiny")
     return args.func(args)
 
 

@@ -1,0 +1,36 @@
+"""Graph passes: recognition of the recurrent block, then one rewrite pass per FlashLoop feature.
+
+``PASS_ORDER`` is the fixed order the manager runs them in.
+"""
+
+from flashloop_compile.passes.manager import FlashLoopPass, PassManager, RewriteReport, graph_phase
+from flashloop_compile.passes.recognize import (
+    AttentionSite,
+    CacheSite,
+    LoopMismatchError,
+    LoopStructure,
+    NoRecurrentBlockError,
+    RecognitionError,
+    UnrecognizedKVSourceError,
+    UnsupportedAttentionError,
+    recognize,
+)
+
+PASS_ORDER: list[type[FlashLoopPass]] = []
+
+__all__ = [
+    "PASS_ORDER",
+    "FlashLoopPass",
+    "PassManager",
+    "RewriteReport",
+    "graph_phase",
+    "recognize",
+    "AttentionSite",
+    "CacheSite",
+    "LoopStructure",
+    "RecognitionError",
+    "NoRecurrentBlockError",
+    "LoopMismatchError",
+    "UnsupportedAttentionError",
+    "UnrecognizedKVSourceError",
+]

@@ -1,0 +1,232 @@
+"""FX graph helpers shared by the passes: op classification and the canonical graph printer.
+
+Dynamo graphs spell one operation several ways (``torch.matmul``, ``operator.matmul``,
+``x.matmul(...)``; ``F.softmax``, ``x.softmax(...)``; ATen overloads in exported graphs). The
+``is_*`` predicates accept every spelling so recognition reasons about operations, not spellings.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = [
+    "val",
+    "shape_of",
+    "dtype_of",
+    "op_name",
+    "is_op",
+    "input_nodes",
+    "VIEW_OPS",
+    "canonical_graph",
+    "fmt_val",
+]
+
+aten = torch.ops.aten
+
+
+def val(n: Any) -> Any:
+    """The example value (a FakeTensor, SymInt, ...) FX recorded for a node, or None."""
+    if not isinstance(n, fx.Node):
+        return n
+    return n.meta.get("example_value", n.meta.get("val"))
+
+
+def shape_of(n: Any) -> tuple | None:
+    v = val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def dtype_of(n: Any) -> torch.dtype | None:
+    v = val(n)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1] + ("" if target._overloadname == "default" else f".{target._overloadname}")
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def op_name(n: fx.Node) -> str:
+    """A canonical operation name: 'linear', 'setitem', '.view', 'flashloop.reference_attention', ..."""
+    if n.op == "call_method":
+        return "." + n.target
+    if n.op == "call_function":
+        t = n.target
+        if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            ns = (t.namespace if isinstance(t, torch._ops.OpOverload) else t._qualified_op_name.split("::")[0])
+            return (f"{ns}." if ns not in ("aten",) else "") + _target_name(t)
+        return _target_name(t)
+    return n.op
+
+
+# Every spelling of an operation, by kind. Names are op_name() results, with the leading '.' of
+# methods stripped for the comparison.
+_SPELLINGS: dict[str, set[str]] = {
+    "linear": {"linear"},
+    "sdpa": {"scaled_dot_product_attention"},
+    "softmax": {"softmax", "_softmax", "softmax.int"},
+    "matmul": {"matmul", "bmm", "mm"},
+    "transpose": {"transpose", "transpose.int", "t", "permute", "swapaxes", "mT"},
+    "cat": {"cat"},
+    "setitem": {"setitem"},
+    "inplace_write": {"index_copy_", "index_put_", "copy_", "scatter_", "index_copy", "index_put"},
+    "compare": {"le", "lt", "ge", "gt", "eq", "ne", "le.Tensor", "lt.Tensor", "ge.Tensor", "gt.Tensor"},
+    "triangle": {"triu", "tril"},
+    "select_where": {"where", "masked_fill", "masked_fill_", "where.self", "masked_fill.Scalar"},
+    "embedding": {"embedding"},
+    "repeat_interleave": {"repeat_interleave"},
+    "expand": {"expand", "expand_as"},
+    "reshape": {"reshape", "view", "flatten", "unflatten", "_unsafe_view"},
+    "getitem": {"getitem"},
+    "dtype_cast": {"to", "float", "type", "type_as", "half", "bfloat16", "_to_copy", "contiguous", "clone"},
+    "dropout": {"dropout"},
+    "add": {"add", "iadd", "add.Tensor"},
+    "scale": {"mul", "truediv", "div", "mul.Tensor", "div.Tensor", "imul", "itruediv"},
+}
+
+VIEW_OPS = _SPELLINGS["reshape"] | _SPELLINGS["transpose"] | _SPELLINGS["expand"] | {"getitem", "unsqueeze", "squeeze", "contiguous"}
+
+
+def is_op(n: Any, kind: str) -> bool:
+    """Whether node ``n`` performs operation ``kind`` (a key of the spelling table)."""
+    if not isinstance(n, fx.Node) or n.op not in ("call_function", "call_method"):
+        return False
+    name = op_name(n).lstrip(".")
+    if kind == "compare" and n.op == "call_function" and n.target in (operator.le, operator.lt, operator.ge, operator.gt):
+        return True
+    return name in _SPELLINGS[kind]
+
+
+def input_nodes(n: fx.Node) -> list[fx.Node]:
+    """Direct node inputs in argument order (kwargs included), without duplicates."""
+    return list(dict.fromkeys(n.all_input_nodes))
+
+
+def arg(n: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional-or-keyword argument of a call node."""
+    if len(n.args) > index:
+        return n.args[index]
+    return n.kwargs.get(name, default)
+
+
+def flatten_args(a: Any) -> Iterator[Any]:
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            yield from flatten_args(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from flatten_args(x)
+    elif isinstance(a, slice):
+        yield from flatten_args((a.start, a.stop, a.step))
+    else:
+        yield a
+
+
+# --- canonical printing ----------------------------------------------------------------------------
+
+_DTYPE_ABBR = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8",
+}
+
+
+def fmt_val(v: Any) -> str:
+    """'f32[2, 5, 64]' for tensors; symbolic sizes print as their expression."""
+    if isinstance(v, torch.Tensor):
+        return f"{_DTYPE_ABBR.get(v.dtype, str(v.dtype))}[{', '.join(str(s) for s in v.shape)}]"
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(fmt_val(x) for x in v) + ")"
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"sym({v})"
+    return type(v).__name__ if v is not None else "none"
+
+
+def _fmt_arg(a: Any, names: dict[fx.Node, str]) -> str:
+    if isinstance(a, fx.Node):
+        return names.get(a, "?")
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x, names) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+    if isinstance(a, dict):
+        return "{" + ", ".join(f"{k}={_fmt_arg(v, names)}" for k, v in a.items()) + "}"
+    if isinstance(a, slice):
+        return f"{_fmt_arg(a.start, names) if a.start is not None else ''}:{_fmt_arg(a.stop, names) if a.stop is not None else ''}" + (
+            f":{_fmt_arg(a.step, names)}" if a.step is not None else ""
+        )
+    if isinstance(a, torch.dtype):
+        return _DTYPE_ABBR.get(a, str(a))
+    if isinstance(a, torch.device):
+        return "device"
+    if a is Ellipsis:
+        return "..."
+    if isinstance(a, float):
+        return repr(a)
+    return repr(a)
+
+
+def canonical_graph(
+    gm: fx.GraphModule | fx.Graph,
+    *,
+    label: Callable[[fx.Node], str | None] | None = None,
+    nodes: Iterable[fx.Node] | None = None,
+) -> str:
+    """A stable text form of a graph: op, renumbered operands, dtype/shape; no torch node names.
+
+    Placeholders print as ``%inN``; other nodes as ``%N``. ``label(node)`` may add a note.
+    """
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    names: dict[fx.Node, str] = {}
+    lines = []
+    n_in = n_op = 0
+    chosen = set(nodes) if nodes is not None else None
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            names[n] = f"%in{n_in}"
+            n_in += 1
+        elif n.op != "output":
+            names[n] = f"%{n_op}"
+            n_op += 1
+        if chosen is not None and n not in chosen:
+            continue
+        note = label(n) if label else None
+        suffix = f"  # {note}" if note else ""
+        if n.op == "placeholder":
+            lines.append(f"{names[n]} = input : {fmt_val(val(n))}{suffix}")
+        elif n.op == "output":
+            lines.append(f"return {_fmt_arg(n.args[0], names)}")
+        elif n.op == "get_attr":
+            lines.append(f"{names[n]} = get_attr : {fmt_val(val(n))}{suffix}")
+        else:
+            args = [_fmt_arg(a, names) for a in n.args] + [f"{k}={_fmt_arg(v, names)}" for k, v in n.kwargs.items() if k != "device"]
+            lines.append(f"{names[n]} = {op_name(n)}({', '.join(args)}) : {fmt_val(val(n))}{suffix}")
+    return "\n".join(lines) + "\n"
+
+
+def linear_weight(n: fx.Node) -> Any:
+    return arg(n, 1, "weight")
+
+
+def sdpa_args(n: fx.Node) -> dict[str, Any]:
+    return {
+        "q": arg(n, 0, "query"),
+        "k": arg(n, 1, "key"),
+        "v": arg(n, 2, "value"),
+        "mask": arg(n, 3, "attn_mask"),
+        "dropout_p": arg(n, 4, "dropout_p", 0.0),
+        "is_causal": arg(n, 5, "is_causal", False),
+        "scale": arg(n, 6, "scale"),
+        "enable_gqa": n.kwargs.get("enable_gqa", False),
+    }
+
+
+_ = F  # torch.nn.functional spellings resolve to builtins with the names above

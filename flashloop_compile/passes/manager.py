@@ -1,0 +1,151 @@
+"""The pass framework: one class per FlashLoop feature, run by a manager in a fixed order.
+
+Each pass is switched by its config group, checks that it can apply (raising a
+:class:`~flashloop_compile.passes.recognize.RecognitionError` that names the node otherwise),
+rewrites the graph, and reports how many sites it matched. ``uuid()`` hashes the pass's source
+and its config group, so compiled artifacts keyed on it change when either does. At DEBUG level
+on the ``flashloop_compile.passes`` logger the graph is dumped (valid Python) before and after
+each pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch.fx as fx
+
+from flashloop_compile.config import FlashLoopConfig
+from flashloop_compile.passes.recognize import LoopStructure, recognize
+
+__all__ = ["FlashLoopPass", "PassManager", "RewriteReport", "Phase", "graph_phase"]
+
+log = logging.getLogger("flashloop_compile.passes")
+
+Phase = str  # "prefill" or "decode"
+
+
+def graph_phase(structure: LoopStructure) -> Phase:
+    """Decode graphs take one query token per row; every other graph is a prefill (chunk)."""
+    return "decode" if structure.query_len == 1 else "prefill"
+
+
+class FlashLoopPass:
+    """Base class: subclasses set ``group`` (their config group) and implement plan/apply."""
+
+    group: ClassVar[str]
+    phases: ClassVar[tuple[Phase, ...]] = ("prefill", "decode")
+
+    def __init__(self, config: FlashLoopConfig) -> None:
+        self.config = config
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    @property
+    def enabled(self) -> bool:
+        return getattr(self.config, self.group).enabled
+
+    def applies_to(self, structure: LoopStructure) -> bool:
+        return graph_phase(structure) in self.phases
+
+    def check(self, structure: LoopStructure) -> None:
+        """Raise a RecognitionError naming the node if this graph does not allow the rewrite."""
+
+    def plan(self, structure: LoopStructure) -> list[str]:
+        """Human-readable rewrites this pass would make (``flashloop-compile inspect``)."""
+        raise NotImplementedError
+
+    def apply(self, gm: fx.GraphModule, structure: LoopStructure) -> int:
+        """Rewrite ``gm`` in place; return the number of matched sites."""
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        src = inspect.getsource(type(self))
+        params = json.dumps({k: v for k, v in self.config.to_dict().items() if k.startswith(self.group + ".")}, sort_keys=True)
+        return hashlib.sha256((src + params).encode()).hexdigest()[:16]
+
+
+@dataclass
+class RewriteReport:
+    structure: LoopStructure | None
+    phase: Phase | None
+    matched: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        if self.structure is None:
+            return "flashloop: all features off; graph handed to inductor untouched"
+        counts = ", ".join(f"{k}={v}" for k, v in self.matched.items()) or "no feature applies"
+        return (
+            f"flashloop: {self.phase} graph, R={self.structure.num_loops} x N={self.structure.num_layers}; "
+            f"matched {counts}"
+        )
+
+
+class PassManager:
+    """Runs the enabled passes in a fixed order, then the cleanup tail (DCE, lint, recompile)."""
+
+    def __init__(self, config: FlashLoopConfig, passes: list[type[FlashLoopPass]] | None = None) -> None:
+        from flashloop_compile.passes import PASS_ORDER
+
+        self.config = config
+        self.passes = [p(config) for p in (passes if passes is not None else PASS_ORDER)]
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(self.config.hash().encode())
+        for p in self.passes:
+            if p.enabled:
+                h.update(p.uuid().encode())
+        return h.hexdigest()[:16]
+
+    def run(self, gm: fx.GraphModule) -> RewriteReport:
+        if not self.config.any_enabled:
+            return RewriteReport(None, None)
+        structure = recognize(gm)
+        self.config.resolve(structure.num_loops)
+        phase = graph_phase(structure)
+        active = [p for p in self.passes if p.enabled and p.applies_to(structure)]
+        for p in active:
+            p.check(structure)
+        report = RewriteReport(structure, phase)
+        for p in active:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("graph before %s:\n%s", p.name, gm.code)
+            report.matched[p.name] = p.apply(gm, structure)
+            gm.graph.eliminate_dead_code(is_impure_node=_impure)
+            gm.graph.lint()
+            gm.recompile()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("graph after %s:\n%s", p.name, gm.code)
+            if p is not active[-1]:
+                structure = recognize(gm)
+        return report
+
+    def plan(self, structure: LoopStructure) -> list[str]:
+        phase = graph_phase(structure)
+        lines = []
+        for p in self.passes:
+            if not p.enabled:
+                continue
+            if not p.applies_to(structure):
+                lines.append(f"{p.name}: not applied to {phase} graphs")
+                continue
+            p.check(structure)
+            lines.extend(f"{p.name}: {line}" for line in p.plan(structure))
+        return lines
+
+
+def _impure(n: fx.Node) -> bool:
+    """Keep mutations (cache writes, custom ops that write state) through dead-code elimination."""
+    import operator
+
+    if n.op == "call_function" and n.target is operator.setitem:
+        return True
+    if n.op == "call_method" and str(n.target).endswith("_"):
+        return True
+    return n.is_impure()
