@@ -107,6 +107,9 @@ class OuroConfig:
             raise ModelConfigError("sliding-window attention is not supported: set use_sliding_window to false")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
+        if "num_key_value_heads" in kwargs and kwargs["num_key_value_heads"] is None:
+            # HF OuroConfig: a null num_key_value_heads means multi-head attention.
+            kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", cls.num_attention_heads)
         if isinstance(kwargs.get("eos_token_id"), list) and len(kwargs["eos_token_id"]) == 1:
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         return cls(**kwargs)

@@ -1,0 +1,53 @@
+"""The ``flashloop-compile generate`` command on the tiny preset."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from flashloop_compile.cli import main
+from flashloop_compile.config import ConfigError
+
+ARGS = ["generate", "--preset", "tiny", "--prompt-len", "140", "--new-tokens", "4"]
+
+
+def test_generate_prints_agreement_and_kv_bytes(capsys):
+    assert main(ARGS) == 0
+    out = capsys.readouterr().out
+    assert "model: tiny (2 layers x 4 loops)" in out
+    assert "prompt: 140 synthetic tokens, 4 new tokens, greedy" in out
+    # Default: every feature on.
+    assert re.search(r"flashloop: FlashLoopConfig\[[0-9a-f]{16}\]\(token_sparse_prefill=on\(.*sparse_decode_attention=on\(.*kv_residual_quantization=on\(", out)
+    for name in ("dense", "flashloop"):
+        m = re.search(rf"^\s*{name} tokens \([0-9.]+ s\): ((?:\d+ ?){{4}})$", out, re.M)
+        assert m and len(m.group(1).split()) == 4, out
+    m = re.search(r"^agreement with dense: (\d)/4 tokens, identical prefix (\d)$", out, re.M)
+    assert m and int(m.group(2)) <= int(m.group(1)) <= 4, out
+    m = re.search(r"^KV bytes: dense ([\d,]+); flashloop ([\d,]+) \(payload [\d,]+, min/scale [\d,]+, maps [\d,]+, tail [\d,]+\); ratio ([\d.]+)x$", out, re.M)
+    assert m, out
+    dense, flash = (int(m.group(i).replace(",", "")) for i in (1, 2))
+    # 140 prompt + 3 fed-back tokens, 2 layers, 4 depths, K and V, 4 kv heads x 16, BF16.
+    assert dense == 143 * 2 * 4 * 2 * 64 * 2
+    assert 0 < flash < dense and float(m.group(3)) > 1
+
+
+def test_generate_all_off_matches_dense(capsys):
+    assert main(ARGS + ["--options", json.dumps({}), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "agreement with dense: 4/4 tokens, identical prefix 4" in out
+    assert "ratio 1.00x" in out
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"token_sparse_prefill.nope": 1}, r"unknown FlashLoop option 'token_sparse_prefill.nope'"),
+        ({"bogus": True}, r"unknown FlashLoop option 'bogus'"),
+        ({"token_sparse_prefill.enabled": True, "token_sparse_prefill.retention": [1, 1, 0.5]}, r"retention has 3 entries but the model runs 4 loops"),
+    ],
+)
+def test_generate_bad_options(options, message):
+    with pytest.raises(ConfigError, match=message):
+        main(ARGS + ["--options", json.dumps(options)])
