@@ -32,11 +32,22 @@ class ConfigError(ValueError):
     """A FlashLoop configuration that cannot be used as given."""
 
 
+def _check_types(group: object) -> None:
+    """Reject values of the wrong type (``"false"`` for a bool, ``64.0`` for an int)."""
+    name = type(group).__name__
+    for f in dataclasses.fields(group):
+        v = getattr(group, f.name)
+        if f.type in ("bool",) and not isinstance(v, bool):
+            raise ConfigError(f"{_GROUP_KEYS[name]}.{f.name} must be true or false, got {v!r}")
+        if f.type in ("int",) and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"{_GROUP_KEYS[name]}.{f.name} must be an integer, got {v!r}")
+
+
 def ceil_fraction(ratio: float, n: int) -> int:
     """``max(1, ceil(ratio * n))`` with the ratio read as the decimal the user wrote.
 
-    Plain float arithmetic makes ``ceil(0.1 * 30)`` 4 (0.1 * 30 == 3.0000000000000004); rounding
-    the product to 9 decimals first gives 3, which is what "10% of 30 tokens" means.
+    Plain float arithmetic makes ``ceil(0.07 * 100)`` 8 (0.07 * 100 == 7.000000000000001); rounding
+    the product to 9 decimals first gives 7, which is what "7% of 100 tokens" means.
     """
     if n <= 0:
         return 0
@@ -76,6 +87,7 @@ class TokenSparsePrefill:
     keep_last_token: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         object.__setattr__(self, "retention", _ratio_tuple("token_sparse_prefill.retention", self.retention))
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1):
             raise ConfigError(f"token_sparse_prefill.window must be a positive int or None (global), got {self.window!r}")
@@ -114,6 +126,7 @@ class SparseDecodeAttention:
     key_fraction: tuple[float, ...] = (0.10,)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.reference_loop != 2:
             raise ConfigError(
                 f"sparse_decode_attention.reference_loop must be 2 (the FlashLoop reference loop), got {self.reference_loop!r}"
@@ -151,6 +164,7 @@ class KVResidualQuantization:
     tail: int = 64
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.bits != 4:
             raise ConfigError(f"kv_residual_quantization.bits must be 4 (the packed kernels store INT4), got {self.bits!r}")
         if self.group_size not in (16, 32, 64, 128):
@@ -164,6 +178,12 @@ class KVResidualQuantization:
                 f"kv_residual_quantization.tail must be a positive multiple of group_size={self.group_size}, got {self.tail!r}"
             )
 
+
+_GROUP_KEYS = {
+    "TokenSparsePrefill": "token_sparse_prefill",
+    "SparseDecodeAttention": "sparse_decode_attention",
+    "KVResidualQuantization": "kv_residual_quantization",
+}
 
 _GROUPS: dict[str, type] = {
     "token_sparse_prefill": TokenSparsePrefill,

@@ -66,7 +66,10 @@ def reference_attention(
     vf = _expand_kv(v, q.shape[1])  # [Tk, Hq, D]
     o_ref = torch.einsum("qhk,khd->qhd", probs, vf)
     causal_len = (k_pos[None, :] <= q_pos[:, None]).sum(-1)  # [Tq]
-    order = torch.sort(-probs, dim=-1, stable=True).indices  # most probable first
+    # Most probable first. Masked (future) keys rank after every visible key: a visible key whose
+    # probability underflows to 0 would otherwise tie with them and lose to a lower key index.
+    visible = k_pos[None, None, :] <= q_pos[:, None, None]
+    order = torch.sort(-torch.where(visible, probs, -1.0), dim=-1, stable=True).indices
     states = []
     for fraction in fractions:
         count = torch.tensor([ceil_fraction(fraction, int(n)) for n in causal_len], dtype=torch.long)
