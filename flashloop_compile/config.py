@@ -260,25 +260,30 @@ class FlashLoopConfig:
             raise ConfigError(f"FlashLoop options must be a FlashLoopConfig or a flat dict, got {type(options).__name__}")
         return cls.from_dict(options)
 
-    def resolve(self, num_loops: int) -> "FlashLoopConfig":
-        """Check the config against a model with ``num_loops`` recurrent loops; returns self."""
+    def resolve(self, num_loops: int, *, forward_loops: int | None = None) -> "FlashLoopConfig":
+        """Check the config against a model with ``num_loops`` loops; returns self.
+
+        ``forward_loops``: a graph that runs fewer loops than the model (``exit_at_step``) is
+        checked against what it runs: loops below a feature's start simply stay dense.
+        """
         tsp, sda = self.token_sparse_prefill, self.sparse_decode_attention
-        if tsp.enabled and len(tsp.retention) != num_loops:
+        strict = forward_loops is None
+        if tsp.enabled and (len(tsp.retention) != num_loops if strict else len(tsp.retention) < forward_loops):
             raise ConfigError(
                 f"token_sparse_prefill.retention has {len(tsp.retention)} entries but the model runs {num_loops} loops: "
                 f"give one ratio per loop"
             )
         if sda.enabled:
             n_sparse = num_loops - sda.reference_loop
-            if n_sparse < 1:
+            if strict and n_sparse < 1:
                 raise ConfigError(
                     f"sparse_decode_attention needs at least {sda.reference_loop + 1} loops (reference loop "
                     f"{sda.reference_loop} plus a sparse loop); the model runs {num_loops}"
                 )
-            if len(sda.key_fraction) not in (1, n_sparse):
+            if len(sda.key_fraction) != 1 and (len(sda.key_fraction) != n_sparse if strict else len(sda.key_fraction) < n_sparse):
                 raise ConfigError(
                     f"sparse_decode_attention.key_fraction has {len(sda.key_fraction)} entries; give one number or "
-                    f"one per sparse loop 3..{num_loops} ({n_sparse} entries)"
+                    f"one per sparse loop 3..{num_loops} ({max(n_sparse, 0)} entries)"
                 )
         return self
 

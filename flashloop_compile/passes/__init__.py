@@ -16,10 +16,14 @@ from flashloop_compile.passes.recognize import (
     recognize,
 )
 
-PASS_ORDER: list[type[FlashLoopPass]] = []
+import flashloop_compile.lowering.ops  # noqa: F401  (registers the flashloop ops)
+from flashloop_compile.passes.sparse_decode import SparseDecodeAttentionPass
+
+PASS_ORDER: list[type[FlashLoopPass]] = [SparseDecodeAttentionPass]
 
 __all__ = [
     "PASS_ORDER",
+    "SparseDecodeAttentionPass",
     "FlashLoopPass",
     "PassManager",
     "RewriteReport",

@@ -12,9 +12,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 __all__ = [
+    "GraphSnapshot",
+    "canonical_names",
     "val",
     "shape_of",
     "dtype_of",
@@ -174,28 +175,46 @@ def _fmt_arg(a: Any, names: dict[fx.Node, str]) -> str:
     return repr(a)
 
 
+def canonical_names(graph: fx.Graph, known: dict[fx.Node, str] | None = None) -> dict[fx.Node, str]:
+    """Stable node names: placeholders ``%inN``, other nodes ``%N`` in program order. Nodes
+    already in ``known`` keep their name; nodes not in it are named ``%newN``."""
+    names: dict[fx.Node, str] = {}
+    n_in = n_op = n_new = 0
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        if known is not None:
+            if n in known:
+                names[n] = known[n]
+            else:
+                names[n] = f"%new{n_new}"
+                n_new += 1
+        elif n.op == "placeholder":
+            names[n] = f"%in{n_in}"
+            n_in += 1
+        else:
+            names[n] = f"%{n_op}"
+            n_op += 1
+    return names
+
+
 def canonical_graph(
     gm: fx.GraphModule | fx.Graph,
     *,
     label: Callable[[fx.Node], str | None] | None = None,
     nodes: Iterable[fx.Node] | None = None,
+    names: dict[fx.Node, str] | None = None,
 ) -> str:
     """A stable text form of a graph: op, renumbered operands, dtype/shape; no torch node names.
 
-    Placeholders print as ``%inN``; other nodes as ``%N``. ``label(node)`` may add a note.
+    Placeholders print as ``%inN``; other nodes as ``%N`` (see :func:`canonical_names`).
+    ``label(node)`` may add a note.
     """
     graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    names: dict[fx.Node, str] = {}
+    names = names if names is not None else canonical_names(graph)
     lines = []
-    n_in = n_op = 0
     chosen = set(nodes) if nodes is not None else None
     for n in graph.nodes:
-        if n.op == "placeholder":
-            names[n] = f"%in{n_in}"
-            n_in += 1
-        elif n.op != "output":
-            names[n] = f"%{n_op}"
-            n_op += 1
         if chosen is not None and n not in chosen:
             continue
         note = label(n) if label else None
@@ -210,6 +229,25 @@ def canonical_graph(
             args = [_fmt_arg(a, names) for a in n.args] + [f"{k}={_fmt_arg(v, names)}" for k, v in n.kwargs.items() if k != "device"]
             lines.append(f"{names[n]} = {op_name(n)}({', '.join(args)}) : {fmt_val(val(n))}{suffix}")
     return "\n".join(lines) + "\n"
+
+
+class GraphSnapshot:
+    """Canonical text of a graph before an in-place rewrite, for a readable diff after it.
+
+    Nodes that survive the rewrite keep their names, so the diff shows only what the pass removed
+    (``-`` lines) and added (``+`` lines, new nodes named ``%newN``).
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.names = canonical_names(gm.graph)
+        self.text = canonical_graph(gm, names=self.names)
+
+    def diff(self, gm: fx.GraphModule) -> str:
+        import difflib
+
+        after = canonical_graph(gm, names=canonical_names(gm.graph, self.names))
+        lines = difflib.unified_diff(self.text.splitlines(), after.splitlines(), lineterm="", n=0)
+        return "\n".join(ln for ln in lines if not ln.startswith(("---", "+++", "@@"))) + "\n"
 
 
 def linear_weight(n: fx.Node) -> Any:
@@ -228,5 +266,3 @@ def sdpa_args(n: fx.Node) -> dict[str, Any]:
         "enable_gqa": n.kwargs.get("enable_gqa", False),
     }
 
-
-_ = F  # torch.nn.functional spellings resolve to builtins with the names above

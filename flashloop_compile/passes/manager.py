@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 import torch.fx as fx
 
 from flashloop_compile.config import FlashLoopConfig
@@ -107,7 +108,7 @@ class PassManager:
         if not self.config.any_enabled:
             return RewriteReport(None, None)
         structure = recognize(gm)
-        self.config.resolve(structure.num_loops)
+        self.config.resolve(structure.num_loops, forward_loops=structure.num_loops)
         phase = graph_phase(structure)
         active = [p for p in self.passes if p.enabled and p.applies_to(structure)]
         for p in active:
@@ -120,6 +121,7 @@ class PassManager:
             gm.graph.eliminate_dead_code(is_impure_node=_impure)
             gm.graph.lint()
             gm.recompile()
+            propagate_fake_values(gm)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("graph after %s:\n%s", p.name, gm.code)
             if p is not active[-1]:
@@ -138,6 +140,29 @@ class PassManager:
             p.check(structure)
             lines.extend(f"{p.name}: {line}" for line in p.plan(structure))
         return lines
+
+
+def propagate_fake_values(gm: fx.GraphModule) -> None:
+    """Give nodes a pass added the fake values (shapes, dtypes) the next pass reads.
+
+    Runs the graph under the fake mode Dynamo traced it with, from the placeholders' recorded
+    example values; nodes Dynamo already described keep their metadata.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from flashloop_compile.passes.graph import val
+
+    # The mode of the recorded example values (Dynamo hands backends a context with another one).
+    inputs = [val(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = next((x.fake_mode for x in inputs if isinstance(x, FakeTensor)), None)
+    if mode is None:
+        return
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    for n in gm.graph.nodes:
+        if "example_value" not in n.meta and "val" in n.meta:
+            n.meta["example_value"] = n.meta["val"]
 
 
 def _impure(n: fx.Node) -> bool:

@@ -24,6 +24,8 @@ name the node and what was expected.
 from __future__ import annotations
 
 import operator
+import os
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,13 +84,19 @@ def describe(n: Any) -> str:
     """A node as users see it: operation, value type and the source line Dynamo recorded."""
     if not isinstance(n, fx.Node):
         return repr(n)
-    where = ""
-    stack = n.meta.get("stack_trace")
-    if stack:
-        lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
-        if lines:
-            where = f" at `{lines[-1]}`"
-    return f"node '{n.name}' ({op_name(n)} -> {fmt_val(val(n))}){where}"
+    return f"node '{n.name}' ({op_name(n)} -> {fmt_val(val(n))}){_source_line(n)}"
+
+
+def _source_line(n: fx.Node) -> str:
+    """' (model.py:123: `code`)' from the stack trace Dynamo recorded, or ''."""
+    stack = n.meta.get("stack_trace") or ""
+    lines = [ln for ln in stack.splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', lines[i])
+        if m:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f" ({os.path.basename(m.group(1))}:{m.group(2)}: `{code}`)"
+    return ""
 
 
 @dataclass
@@ -258,7 +266,8 @@ def _assign_loops(df: _Dataflow, shared: set[fx.Node]) -> tuple[dict[fx.Node, in
 def _find_shared(df: _Dataflow) -> tuple[set[fx.Node], "_Loops"]:
     counts: dict[int, set[fx.Node]] = defaultdict(set)
     for n in df.nodes:
-        if _weight_like(n):
+        # Weights are read-only: inputs written in place (cache buffers) are state, not weights.
+        if _weight_like(n) and n not in df.writes:
             c = len(set(df.users[n]))
             if c >= 2:
                 counts[c].add(n)
@@ -514,56 +523,142 @@ def _positions_from_index(index: Any) -> fx.Node | None:
     return cands[-1]
 
 
-_MASK_FLOAT_OK = {"full", "zeros", "ones", "full_like", "zeros_like", "new_full", "new_zeros", "finfo", "to", "float", "type", "type_as"}
+@dataclass(frozen=True)
+class _MaskValue:
+    """Abstract value of a node in a mask computation.
+
+    kind: "pos" (integer positions or flags), "posf" (float positions), "const" (constants),
+    "bool" (comparison results), "maskf" (an additive mask: constants selected by booleans),
+    "bias" (float arithmetic on positions: a positional bias), "other".
+    compares: the position comparisons that shape this value; offset: positions were shifted by
+    a constant before a comparison (a window).
+    """
+
+    kind: str
+    compares: frozenset = frozenset()
+    offset: bool = False
 
 
-def _classify_mask(mask: Any, is_causal: bool, q_len: Any, k_len: Any, loop_nodes: set[fx.Node]) -> str:
-    """'causal-position' when the mask compares key positions with query positions once."""
-    if mask is None:
-        if is_causal:
-            return "causal-index"
-        if q_len == 1:
-            return "none"
-        return "unsupported: no mask and not causal (bidirectional attention)"
-    if not isinstance(mask, fx.Node):
-        return f"unsupported: constant mask {mask!r}"
-    ancestors: list[fx.Node] = []
-    stack, seen = [mask], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or not isinstance(n, fx.Node):
-            continue
-        seen.add(n)
-        ancestors.append(n)
-        stack.extend(input_nodes(n))
-    compares = [n for n in ancestors if is_op(n, "compare")]
-    triangles = [n for n in ancestors if is_op(n, "triangle")]
-    position_arith = [
-        n for n in ancestors
-        if op_name(n).lstrip(".") in ("sub", "add", "rsub", "abs", "neg", "mul")
-        and dtype_of(n) is not None and not dtype_of(n).is_floating_point
-        and any(isinstance(a, fx.Node) for a in n.args)
-        and any(not isinstance(a, fx.Node) and a not in (0, 1) for a in flatten_args(n.args))
-    ]
-    float_arith = [
-        n for n in ancestors
-        if dtype_of(n) is not None and dtype_of(n).is_floating_point
-        and op_name(n).lstrip(".") in ("mul", "sub", "add", "neg", "abs", "truediv", "div")
-        and sum(isinstance(a, fx.Node) and dtype_of(a) is not None and dtype_of(a).is_floating_point and shape_of(a) != () for a in n.args) >= 1
-        and not all(op_name(a).lstrip(".") in _MASK_FLOAT_OK for a in n.args if isinstance(a, fx.Node))
-    ]
-    if float_arith:
-        return f"unsupported: positional bias added to scores ({op_name(float_arith[0])}; ALiBi-style biases are not causal masks)"
-    if position_arith:
-        return f"unsupported: positions offset by a constant before comparison ({op_name(position_arith[0])}; sliding-window or chunked attention)"
-    if len(compares) + len(triangles) > 1:
-        return "unsupported: several position comparisons (sliding-window or chunked attention)"
-    if len(compares) + len(triangles) == 1:
+_CONST_CTORS = {"full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "new_full", "new_zeros", "new_ones", "scalar_tensor", "tensor"}
+_PASS_THROUGH = VIEW_OPS | {"clone", "contiguous", "slice", "narrow", "repeat", "expand", "select", "index_select", "detach", "to", "float", "type", "type_as", "half", "bfloat16", "int", "long", "bool", "_to_copy"}
+_LOGICAL = {"and_", "or_", "invert", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__", "__invert__", "iand", "ior"}
+_ARITH = {"add", "sub", "rsub", "mul", "truediv", "div", "neg", "iadd", "isub", "imul"}
+
+
+class _MaskAnalyzer:
+    """Decides whether an attention mask is causal by absolute position (one comparison of key
+    positions with query positions, optionally combined with padding flags) or something else:
+    a window (positions shifted by a constant, or several comparisons) or a positional bias."""
+
+    def __init__(self, df: _Dataflow) -> None:
+        self.df = df
+        self.memo: dict[fx.Node, _MaskValue] = {}
+
+    def value(self, x: Any) -> _MaskValue:
+        if not isinstance(x, fx.Node):
+            return _MaskValue("const")
+        if x not in self.memo:
+            self.memo[x] = _MaskValue("other")  # cycles cannot occur; this guards re-entry
+            self.memo[x] = self._eval(x)
+        return self.memo[x]
+
+    def _cast(self, x: fx.Node, v: _MaskValue) -> _MaskValue:
+        dt = dtype_of(x)
+        if dt is None:
+            return v
+        if v.kind == "pos" and dt.is_floating_point:
+            return _MaskValue("posf", v.compares, v.offset)
+        if v.kind == "posf" and not dt.is_floating_point and dt != torch.bool:
+            return _MaskValue("pos", v.compares, v.offset)
+        if v.kind == "bool" and dt.is_floating_point:
+            return _MaskValue("maskf", v.compares, v.offset)
+        return v
+
+    def _eval(self, n: fx.Node) -> _MaskValue:
+        name = op_name(n).lstrip(".")
+        dt = dtype_of(n)
+        if n.op in ("placeholder", "get_attr"):
+            if dt is None:
+                return _MaskValue("const")
+            if dt == torch.bool:
+                return _MaskValue("bool")
+            # Float inputs (ALiBi slopes, a user's additive mask) carry no position structure.
+            return _MaskValue("pos") if not dt.is_floating_point else _MaskValue("const")
+        args = [a for a in flatten_args((n.args, n.kwargs)) if isinstance(a, fx.Node)]
+        # A read of a buffer that was written in place sees the written values too.
+        writes = [w for w in self.df.writes.get(_root(n), []) if self.df.pos[w] < self.df.pos[n]] if name in _PASS_THROUGH else []
+        vals = [self.value(a) for a in args] + [self.value(w.args[2]) for w in writes if w.target is operator.setitem]
+        compares = frozenset().union(*(v.compares for v in vals)) if vals else frozenset()
+        offset = any(v.offset for v in vals)
+        kinds = {v.kind for v in vals}
+        if "other" in kinds:
+            return _MaskValue("other")
+        if "bias" in kinds:
+            return _MaskValue("bias")
+        if name == "arange":
+            return _MaskValue("posf" if dt is not None and dt.is_floating_point else "pos")
+        if name in _CONST_CTORS or not args:
+            return _MaskValue("const")
+        if is_op(n, "triangle"):
+            base = vals[0]
+            return _MaskValue("maskf" if dt is not None and dt.is_floating_point else "bool", base.compares | {n}, base.offset)
+        if name in _PASS_THROUGH:
+            merged = vals[0] if len(vals) == 1 else _MaskValue(_merge_kind(kinds), compares, offset)
+            return self._cast(n, _MaskValue(merged.kind, compares, offset))
+        if is_op(n, "compare"):
+            operands = [a for a in n.args[:2]]
+            sides = [self.value(a) for a in operands if isinstance(a, fx.Node)]
+            positional = [v for v in sides if v.kind in ("pos", "posf")]
+            if len(operands) == 2 and all(isinstance(a, fx.Node) for a in operands) and len(positional) == 2:
+                return _MaskValue("bool", compares | {n}, offset)
+            # A test against a constant (padding flags == 0, additive mask > -inf) keeps its input's shape.
+            return _MaskValue("bool", compares, offset)
+        if name in _LOGICAL or (is_op(n, "select_where") and dt == torch.bool):
+            return _MaskValue("bool", compares, offset)
+        if is_op(n, "select_where"):
+            return _MaskValue("maskf", compares, offset)
+        if name in _ARITH:
+            consts = [a for a in flatten_args(n.args) if not isinstance(a, fx.Node)]
+            if kinds <= {"pos", "const"} and "pos" in kinds:
+                shifted = any(isinstance(c, (int, float)) and c != 0 for c in consts) and name not in ("mul", "imul")
+                return _MaskValue("pos", compares, offset or shifted)
+            if "posf" in kinds:
+                if kinds <= {"posf", "const"} and len(args) == 1:
+                    return _MaskValue("posf", compares, True)
+                return _MaskValue("bias")
+            if kinds <= {"const"}:
+                return _MaskValue("const")
+            if kinds <= {"const", "maskf", "bool", "pos"}:
+                return _MaskValue("maskf", compares, offset)
+        return _MaskValue("other")
+
+    def classify(self, mask: Any, is_causal: bool, q_len: Any) -> str:
+        if mask is None:
+            if is_causal:
+                return "causal-index"
+            return "none" if q_len == 1 else "unsupported: no mask and not causal (bidirectional attention)"
+        v = self.value(mask)
+        if v.kind == "bias":
+            return "unsupported: a positional bias is added to the scores (ALiBi-style), not a causal mask"
+        if v.kind not in ("bool", "maskf"):
+            return "unsupported: the mask is not built from position comparisons"
+        if v.offset:
+            return "unsupported: positions are shifted by a constant before the comparison (sliding-window or chunked attention)"
+        if len(v.compares) > 1:
+            return f"unsupported: {len(v.compares)} position comparisons (sliding-window or chunked attention)"
+        if not v.compares:
+            return "none" if q_len == 1 else "unsupported: the mask does not compare key and query positions"
         return "causal-position"
-    return "unsupported: mask is not derived from a position comparison"
 
 
-def _attention_sites(body: list[fx.Node], loop: int, df: _Dataflow) -> list[AttentionSite]:
+def _merge_kind(kinds: set[str]) -> str:
+    for k in ("maskf", "bool", "posf", "pos"):
+        if k in kinds:
+            return k
+    return "const"
+
+
+def _attention_sites(body: list[fx.Node], loop: int, df: _Dataflow, masks: _MaskAnalyzer) -> list[AttentionSite]:
     nodes = set(body)
     sites = []
     for n in body:
@@ -593,7 +688,7 @@ def _attention_sites(body: list[fx.Node], loop: int, df: _Dataflow) -> list[Atte
         sites.append(
             AttentionSite(
                 loop, len(sites), kind, n, q, k, v, cache, mask,
-                _classify_mask(mask, causal, q_len, k_len, nodes), q_len, rep_k,
+                masks.classify(mask, causal, q_len), q_len, rep_k,
             )
         )
     return sites
@@ -656,8 +751,9 @@ def recognize(gm: fx.GraphModule) -> LoopStructure:
         raise LoopMismatchError("loop-carried states are not at the same place in every loop")
 
     sites: list[AttentionSite] = []
+    masks = _MaskAnalyzer(df)
     for r in range(n_loops):
-        sites.extend(_attention_sites(loops[r], r, df))
+        sites.extend(_attention_sites(loops[r], r, df, masks))
     n_layers = len(sites) // n_loops if sites else 0
     if not sites or len(sites) != n_layers * n_loops:
         raise NoRecurrentBlockError(

@@ -1,0 +1,48 @@
+"""Graph capture helpers for pass tests: Dynamo graphs of prefill and decode steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashloop_compile.models.ouro import PRESETS, OuroForCausalLM
+
+
+def capture(model, *args, **kwargs) -> torch.fx.GraphModule:
+    """The single Dynamo graph of ``model(*args, **kwargs)`` (features untouched, not compiled)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*args, **kwargs)
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def tiny(**overrides) -> OuroForCausalLM:
+    config = dataclasses.replace(PRESETS["tiny"], **overrides)
+    torch.manual_seed(0)
+    return OuroForCausalLM(config).init_random_().eval()
+
+
+def ragged_batch(lengths, vocab=256, seed=0):
+    """Right-padded ids [B, T] with per-row positions 0..T-1, and the per-row lengths."""
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.randint(0, vocab, (len(lengths), t), generator=g)
+    pos = torch.arange(t)[None].expand(len(lengths), -1)
+    return ids, pos
+
+
+@pytest.fixture
+def hf_models():
+    from models.hf_style_ouro import OuroForCausalLM as HFStyle
+
+    return HFStyle
