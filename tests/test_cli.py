@@ -28,8 +28,8 @@ def test_generate_prints_agreement_and_kv_bytes(capsys):
     m = re.search(r"^KV bytes: dense ([\d,]+); flashloop ([\d,]+) \(payload [\d,]+, min/scale [\d,]+, maps [\d,]+, tail [\d,]+\); ratio ([\d.]+)x$", out, re.M)
     assert m, out
     dense, flash = (int(m.group(i).replace(",", "")) for i in (1, 2))
-    # 140 prompt + 3 fed-back tokens, 2 layers, 4 depths, K and V, 4 kv heads x 16, BF16.
-    assert dense == 143 * 2 * 4 * 2 * 64 * 2
+    # 140 prompt + 3 fed-back tokens, 2 layers, 4 depths, K and V, 2 kv heads x 64, BF16.
+    assert dense == 143 * 2 * 4 * 2 * 128 * 2
     assert 0 < flash < dense and float(m.group(3)) > 1
 
 

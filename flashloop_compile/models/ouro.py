@@ -121,10 +121,11 @@ class OuroConfig:
 
 
 PRESETS: dict[str, OuroConfig] = {
-    # CPU tests: small enough for the Triton interpreter, every structural feature kept (R=4, MHA).
+    # CPU tests: small enough for the Triton interpreter, every structural feature kept (R=4, MHA,
+    # head_dim 64 so a V quantization group of 64 channels is one head's row, as in the real models).
     "tiny": OuroConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=16, max_position_embeddings=1024, rope_theta=10_000.0,
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, rope_theta=10_000.0,
     ),
     # Real shapes (random weights) for GPU benchmarks.
     "ouro-1.4b": OuroConfig(num_hidden_layers=24),

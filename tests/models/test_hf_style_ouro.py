@@ -83,7 +83,7 @@ def test_state_dict_keys_identical(ours):
 def test_config_from_ouro_config(ours):
     cfg = HFStyleOuroConfig.from_ouro_config(ours.config, attn_implementation="sdpa")
     assert cfg._attn_implementation == "sdpa"
-    assert (cfg.num_hidden_layers, cfg.total_ut_steps, cfg.head_dim) == (2, 4, 16)
+    assert (cfg.num_hidden_layers, cfg.total_ut_steps, cfg.head_dim) == (2, 4, 64)
     assert cfg.sliding_window is None and cfg.position_embedding_type == "rope"
     with pytest.raises(ValueError):
         HFStyleOuroConfig(attn_implementation="flash_attention_2")

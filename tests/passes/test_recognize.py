@@ -32,14 +32,14 @@ def test_our_model_prefill_ragged_batch_of_three():
     assert len(buffers) == 16
     assert_expected_inline(s.summary(), """\
 recurrent block: R=4 loops x N=2 layers, 156 nodes per loop, 23 shared weights
-state: H[0] = embedding f32[3, 7, 64]; H[r] = mul f32[3, 7, 64]
-loop inputs: placeholder i64[3, 7], .to f32[3, 7, 16], .to f32[3, 7, 16], le b8[3, 1, 7, 64], arange i64[3]
+state: H[0] = embedding f32[3, 7, 128]; H[r] = mul f32[3, 7, 128]
+loop inputs: placeholder i64[3, 7], .to f32[3, 7, 64], .to f32[3, 7, 64], le b8[3, 1, 7, 64], arange i64[3]
 per-loop inputs: 4 per loop
 positions: i64[3, 7]
 exit gate: none
 coda: linear
 attention sites:
-  8 sites (loop 1, layer 0)..(loop 4, layer 1): sdpa: q f32[3, 4, 7, 16] k f32[3, 4, 64, 16]; kv inplace buffer f32[3, 4, 64, 16]; mask causal-position; query_len 7
+  8 sites (loop 1, layer 0)..(loop 4, layer 1): sdpa: q f32[3, 2, 7, 64] k f32[3, 2, 64, 64]; kv inplace buffer f32[3, 2, 64, 64]; mask causal-position; query_len 7
 """)
 
 
@@ -52,14 +52,14 @@ def test_our_model_decode():
     assert s.query_len == 1
     assert_expected_inline(s.summary(), """\
 recurrent block: R=4 loops x N=2 layers, 156 nodes per loop, 23 shared weights
-state: H[0] = embedding f32[3, 1, 64]; H[r] = mul f32[3, 1, 64]
-loop inputs: placeholder i64[3, 1], .to f32[3, 1, 16], .to f32[3, 1, 16], le b8[3, 1, 1, 64], arange i64[3]
+state: H[0] = embedding f32[3, 1, 128]; H[r] = mul f32[3, 1, 128]
+loop inputs: placeholder i64[3, 1], .to f32[3, 1, 64], .to f32[3, 1, 64], le b8[3, 1, 1, 64], arange i64[3]
 per-loop inputs: 4 per loop
 positions: i64[3, 1]
 exit gate: none
 coda: linear
 attention sites:
-  8 sites (loop 1, layer 0)..(loop 4, layer 1): sdpa: q f32[3, 4, 1, 16] k f32[3, 4, 64, 16]; kv inplace buffer f32[3, 4, 64, 16]; mask causal-position; query_len 1
+  8 sites (loop 1, layer 0)..(loop 4, layer 1): sdpa: q f32[3, 2, 1, 64] k f32[3, 2, 64, 64]; kv inplace buffer f32[3, 2, 64, 64]; mask causal-position; query_len 1
 """)
 
 
@@ -101,14 +101,14 @@ def test_hf_style_prefill_and_decode(impl):
     if impl == "eager":
         assert_expected_inline(decode.summary(), """\
 recurrent block: R=4 loops x N=2 layers, 163 nodes per loop, 25 shared weights
-state: H[0] = embedding f32[2, 1, 64]; H[r] = mul f32[2, 1, 64]
-loop inputs: mul f32[1, 10], .to f32[1, 1, 16], .to f32[1, 1, 16]
+state: H[0] = embedding f32[2, 1, 128]; H[r] = mul f32[2, 1, 128]
+loop inputs: mul f32[1, 10], .to f32[1, 1, 64], .to f32[1, 1, 64]
 per-loop inputs: 4 per loop
 positions: none
 exit gate: linear -> f32[2, 1, 1] per loop
 coda: getitem, linear
 attention sites:
-  8 sites (loop 1, layer 0)..(loop 4, layer 1): eager: q f32[2, 4, 1, 16] k f32[2, 4, 10, 16]; kv concat past f32[2, 4, 9, 16]; mask causal-position; query_len 1
+  8 sites (loop 1, layer 0)..(loop 4, layer 1): eager: q f32[2, 2, 1, 64] k f32[2, 2, 10, 64]; kv concat past f32[2, 2, 9, 64]; mask causal-position; query_len 1
 """)
 
 

@@ -69,24 +69,24 @@ def test_graph_diff():
     snap = GraphSnapshot(gm)
     PassManager(SPARSE).run(gm)
     assert_expected_inline(snap.diff(gm), """\
--%152 = scaled_dot_product_attention(%133, %150, %151, attn_mask=%18, enable_gqa=False) : f32[1, 4, 1, 16]
--%153 = .transpose(%152, 1, 2) : f32[1, 1, 4, 16]
-+%new0 = flashloop.reference_attention(%133, %150, %151, %18, 0.25, [0.1], [4]) : (f32[1, 4, 1, 16], i32[1, 1, 4, 1, 4], i32[1, 1, 4, 1], f32[1, 1, 4, 1], f32[1, 4, 1, 16], f32[1, 1, 4, 1, 16])
-+%new1 = getitem(%new0, 0) : f32[1, 4, 1, 16]
-+%new2 = getitem(%new0, 1) : i32[1, 1, 4, 1, 4]
-+%new3 = getitem(%new0, 2) : i32[1, 1, 4, 1]
-+%new4 = getitem(%new0, 3) : f32[1, 1, 4, 1]
-+%new5 = getitem(%new0, 4) : f32[1, 4, 1, 16]
-+%new6 = getitem(%new0, 5) : f32[1, 1, 4, 1, 16]
-+%153 = .transpose(%new1, 1, 2) : f32[1, 1, 4, 16]
--%240 = scaled_dot_product_attention(%221, %238, %239, attn_mask=%18, enable_gqa=False) : f32[1, 4, 1, 16]
--%241 = .transpose(%240, 1, 2) : f32[1, 1, 4, 16]
-+%new7 = getitem(%new2, 0) : i32[1, 4, 1, 4]
-+%new8 = getitem(%new3, 0) : i32[1, 4, 1]
-+%new9 = getitem(%new4, 0) : f32[1, 4, 1]
-+%new10 = getitem(%new6, 0) : f32[1, 4, 1, 16]
-+%new11 = flashloop.correction_attention(%221, %238, %239, %new7, %new8, %new9, %new5, %new10, 0.25) : f32[1, 4, 1, 16]
-+%241 = .transpose(%new11, 1, 2) : f32[1, 1, 4, 16]
+-%152 = scaled_dot_product_attention(%133, %150, %151, attn_mask=%18, enable_gqa=False) : f32[1, 2, 1, 64]
+-%153 = .transpose(%152, 1, 2) : f32[1, 1, 2, 64]
++%new0 = flashloop.reference_attention(%133, %150, %151, %18, 0.125, [0.1], [4]) : (f32[1, 2, 1, 64], i32[1, 1, 2, 1, 4], i32[1, 1, 2, 1], f32[1, 1, 2, 1], f32[1, 2, 1, 64], f32[1, 1, 2, 1, 64])
++%new1 = getitem(%new0, 0) : f32[1, 2, 1, 64]
++%new2 = getitem(%new0, 1) : i32[1, 1, 2, 1, 4]
++%new3 = getitem(%new0, 2) : i32[1, 1, 2, 1]
++%new4 = getitem(%new0, 3) : f32[1, 1, 2, 1]
++%new5 = getitem(%new0, 4) : f32[1, 2, 1, 64]
++%new6 = getitem(%new0, 5) : f32[1, 1, 2, 1, 64]
++%153 = .transpose(%new1, 1, 2) : f32[1, 1, 2, 64]
+-%240 = scaled_dot_product_attention(%221, %238, %239, attn_mask=%18, enable_gqa=False) : f32[1, 2, 1, 64]
+-%241 = .transpose(%240, 1, 2) : f32[1, 1, 2, 64]
++%new7 = getitem(%new2, 0) : i32[1, 2, 1, 4]
++%new8 = getitem(%new3, 0) : i32[1, 2, 1]
++%new9 = getitem(%new4, 0) : f32[1, 2, 1]
++%new10 = getitem(%new6, 0) : f32[1, 2, 1, 64]
++%new11 = flashloop.correction_attention(%221, %238, %239, %new7, %new8, %new9, %new5, %new10, 0.125) : f32[1, 2, 1, 64]
++%241 = .transpose(%new11, 1, 2) : f32[1, 1, 2, 64]
 """)
 
 
