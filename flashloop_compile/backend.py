@@ -65,10 +65,20 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopCon
     _reports.append(report)
     del _reports[:-16]
     if inner == "eager":
-        return gm.forward
-    from torch._inductor.compile_fx import compile_fx
+        compiler = _eager
+    else:
+        from torch._inductor.compile_fx import compile_fx as compiler
+    if report.cuts:
+        from flashloop_compile.passes.outline import outline_segments
 
-    return compile_fx(gm, example_inputs)
+        top, report.segments = outline_segments(gm, report.cuts, compiler)
+        log.info("%s", report)
+        return top.forward
+    return compiler(gm, example_inputs)
+
+
+def _eager(gm: fx.GraphModule, example_inputs: list[Any]):
+    return gm.forward
 
 
 def register() -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "TokenSparsePrefill",
     "SparseDecodeAttention",
     "KVResidualQuantization",
+    "Compilation",
     "FlashLoopConfig",
 ]
 
@@ -179,17 +180,38 @@ class KVResidualQuantization:
             )
 
 
+@dataclass(frozen=True)
+class Compilation:
+    """How the backend compiles, not what it computes.
+
+    outline_layers: compile each distinct layer once and reuse it for every loop and layer
+        (see passes/outline.py) instead of compiling the unrolled R*N layers as one graph.
+        Much faster compiles; no fusion across layer boundaries.
+    """
+
+    outline_layers: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+
+    @property
+    def enabled(self) -> bool:
+        return self.outline_layers
+
+
 _GROUP_KEYS = {
+    "Compilation": "compilation",
     "TokenSparsePrefill": "token_sparse_prefill",
     "SparseDecodeAttention": "sparse_decode_attention",
     "KVResidualQuantization": "kv_residual_quantization",
 }
 
-_GROUPS: dict[str, type] = {
+_FEATURES: dict[str, type] = {
     "token_sparse_prefill": TokenSparsePrefill,
     "sparse_decode_attention": SparseDecodeAttention,
     "kv_residual_quantization": KVResidualQuantization,
 }
+_GROUPS: dict[str, type] = {**_FEATURES, "compilation": Compilation}
 
 
 @dataclass(frozen=True)
@@ -199,11 +221,12 @@ class FlashLoopConfig:
     token_sparse_prefill: TokenSparsePrefill = field(default_factory=TokenSparsePrefill)
     sparse_decode_attention: SparseDecodeAttention = field(default_factory=SparseDecodeAttention)
     kv_residual_quantization: KVResidualQuantization = field(default_factory=KVResidualQuantization)
+    compilation: Compilation = field(default_factory=Compilation)
 
     @classmethod
     def all_on(cls, **overrides: Any) -> "FlashLoopConfig":
         """Every feature enabled with default parameters (flat-dict overrides allowed)."""
-        flat = {f"{g}.enabled": True for g in _GROUPS}
+        flat = {f"{g}.enabled": True for g in _FEATURES}
         flat.update(overrides)
         return cls.from_dict(flat)
 
@@ -220,11 +243,12 @@ class FlashLoopConfig:
 
     @property
     def any_enabled(self) -> bool:
-        return any(getattr(self, g).enabled for g in _GROUPS)
+        """Whether any FlashLoop feature is on (compilation settings are not features)."""
+        return any(getattr(self, g).enabled for g in _FEATURES)
 
     @property
     def switches(self) -> tuple[bool, bool, bool]:
-        return tuple(getattr(self, g).enabled for g in _GROUPS)  # type: ignore[return-value]
+        return tuple(getattr(self, g).enabled for g in _FEATURES)  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """Flat ``{"group.param": value}`` dict (lists for tuples): the torch.compile ``options`` form."""
@@ -299,7 +323,8 @@ class FlashLoopConfig:
         for g in _GROUPS:
             grp = getattr(self, g)
             if not grp.enabled:
-                parts.append(f"{g}=off")
+                if g in _FEATURES:
+                    parts.append(f"{g}=off")
                 continue
             params = ", ".join(
                 f"{f.name}={list(getattr(grp, f.name)) if isinstance(getattr(grp, f.name), tuple) else getattr(grp, f.name)}"

@@ -105,7 +105,8 @@ def test_dict_round_trip(switches):
     cfg = FlashLoopConfig.from_switches(*switches)
     flat = cfg.to_dict()
     # Flat "group.param" keys covering every parameter of every group, lists for tuples.
-    assert all(k.partition(".")[0] in GROUPS for k in flat)
+    assert all(k.partition(".")[0] in GROUPS + ("compilation",) for k in flat)
+    assert flat["compilation.outline_layers"] is False
     assert flat["token_sparse_prefill.retention"] == [1.0, 1.0, 0.25, 0.10]
     assert isinstance(flat["sparse_decode_attention.key_fraction"], list)
     for g, on in zip(GROUPS, switches):

@@ -100,10 +100,19 @@ def _correction_attention_aten(q, k, v, keys, count, mass, o_ref, c_ref, scale):
     return (o_ref - c_ref + c_new).to(q.dtype)
 
 
-@torch.library.custom_op(f"{LIB}::reference_attention", mutates_args=())
+@torch.library.triton_op(f"{LIB}::reference_attention", mutates_args=())
 def _reference_attention_op(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, fractions: list[float], capacities: list[int]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
+        return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
+    from flashloop_compile.lowering.kernels.sparse_decode import reference_attention_triton
+
+    return reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
+
+
+@_reference_attention_op.register_kernel("cpu")
+def _(q, k, v, mask, scale, fractions, capacities):
     return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
 
 
@@ -126,10 +135,19 @@ def _(q, k, v, mask, scale, fractions, capacities):
     )
 
 
-@torch.library.custom_op(f"{LIB}::correction_attention", mutates_args=())
+@torch.library.triton_op(f"{LIB}::correction_attention", mutates_args=())
 def _correction_attention_op(
     q: Tensor, k: Tensor, v: Tensor, keys: Tensor, count: Tensor, mass: Tensor, o_ref: Tensor, c_ref: Tensor, scale: float
 ) -> Tensor:
+    if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
+        return _correction_attention_aten(q, k, v, keys, count, mass, o_ref, c_ref, scale)
+    from flashloop_compile.lowering.kernels.sparse_decode import correction_attention_triton
+
+    return correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, wrap=True)
+
+
+@_correction_attention_op.register_kernel("cpu")
+def _(q, k, v, keys, count, mass, o_ref, c_ref, scale):
     return _correction_attention_aten(q, k, v, keys, count, mass, o_ref, c_ref, scale)
 
 

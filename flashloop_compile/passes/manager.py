@@ -77,15 +77,20 @@ class RewriteReport:
     structure: LoopStructure | None
     phase: Phase | None
     matched: dict[str, int] = field(default_factory=dict)
+    cuts: list[fx.Node] = field(default_factory=list)  # layer boundaries, when outlining
+    segments: dict[str, int] = field(default_factory=dict)  # outlined segments per compiled artifact
 
     def __str__(self) -> str:
         if self.structure is None:
             return "flashloop: all features off; graph handed to inductor untouched"
         counts = ", ".join(f"{k}={v}" for k, v in self.matched.items()) or "no feature applies"
-        return (
+        text = (
             f"flashloop: {self.phase} graph, R={self.structure.num_loops} x N={self.structure.num_layers}; "
             f"matched {counts}"
         )
+        if self.segments:
+            text += f"; {sum(self.segments.values())} segments compiled as {len(self.segments)} artifacts"
+        return text
 
 
 class PassManager:
@@ -105,7 +110,8 @@ class PassManager:
         return h.hexdigest()[:16]
 
     def run(self, gm: fx.GraphModule) -> RewriteReport:
-        if not self.config.any_enabled:
+        outline = self.config.compilation.outline_layers
+        if not self.config.any_enabled and not outline:
             return RewriteReport(None, None)
         structure = recognize(gm)
         self.config.resolve(structure.num_loops, forward_loops=structure.num_loops)
@@ -114,6 +120,10 @@ class PassManager:
         for p in active:
             p.check(structure)
         report = RewriteReport(structure, phase)
+        if outline:
+            from flashloop_compile.passes.outline import layer_cuts
+
+            report.cuts = layer_cuts(structure)
         for p in active:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("graph before %s:\n%s", p.name, gm.code)

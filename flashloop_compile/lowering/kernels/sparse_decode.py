@@ -1,0 +1,642 @@
+"""Triton kernels for sparse decode attention (SPEC.md section 2): the CUDA bodies of
+``flashloop::reference_attention`` and ``flashloop::correction_attention``.
+
+Launchers (plain Python, host-sync free: only ``kernel[grid](...)`` launches and torch ops
+that never read device values on the host, so they run inside CUDA graphs and, through
+``wrap=True``, inside ``torch.library.triton_op`` via ``torch.library.wrap_triton``):
+
+- :func:`reference_attention_triton` returns exactly what ``ops._reference_attention_aten``
+  returns: ``(out, keys, count, mass, o_ref, c_ref)``.
+- :func:`correction_attention_triton` returns what ``ops._correction_attention_aten`` returns.
+
+Reference pipeline (R = B * Hq * T query rows, M = (Hq // Hkv) * T rows per kv head):
+
+1. ``_scores_kernel``  grid (B*Hkv, SPLIT_A, cdiv(M, BLOCK_M)): one read of K; for every query
+   row of the kv group computes FP32 scores ``s = q.k * scale`` (-inf where the mask hides the
+   key) into a scratch ``[R, S]`` buffer plus per-split online-softmax partials (max, sumexp).
+2. Top-k selection, a radix select over the bit pattern of the probability, split over
+   ``SPLIT_B`` programs per row (3 digits of 10 bits; probabilities are in [0, 1] so the
+   sortable key ``bits(p) + 1`` (0 for invisible keys) is below 2**30):
+   - ``_select_first_kernel`` grid (R, SPLIT_B): row normalizer from the partials, rewrites the
+     scratch row in place with ``p`` (-1.0 for invisible keys; later kernels never recompute an
+     exponential, so every kernel sees bit-identical probabilities) and histograms digit 0;
+   - ``_select_level_kernel`` grid (R, SPLIT_B), once per further digit: reduces the previous
+     digit's per-chunk histograms, picks the digit holding the k-th largest key and histograms
+     the next digit inside that bucket;
+   - ``_select_compact_kernel`` grid (R, SPLIT_B): picks the last digit (the exact k-th largest
+     key K*), derives how many keys equal to K* to take (lowest indices first), and writes the
+     selected indices (ascending) with a cumsum compaction; stores K* and the index of the last
+     tie taken, so the predicate ``key > K* or (key == K* and index <= cut)`` reproduces the set.
+3. ``_pv_kernel`` grid (B*Hkv, SPLIT_C, cdiv((F+1)*M, BLOCK_E)): one read of V; the rows of the
+   dot are (slot, query row) pairs, slot 0 = all keys (O_ref), slot 1+f = the keys of fraction
+   f (C_ref and mass), so O_ref and every C_ref come out of the same pass over V.
+4. ``_pv_combine_kernel`` grid (cdiv((F+1)*R, BLOCK_E),): sums the split partials (the
+   probabilities are already normalized, so no rescaling) and writes out / o_ref / c_ref / mass.
+
+Correction: ``_correction_kernel`` grid (R, SPLIT_K) gathers the selected K/V rows of each
+query row, runs an online softmax and, with one split, writes ``O_ref - C_ref + m * local``
+directly; with several splits ``_correction_combine_kernel`` merges the partials.
+
+Semantics decided here (identical to the ATen bodies whenever ``count <= capacity``, which the
+passes guarantee by using ``capacity = ceil(f * S)``): fraction f selects
+``min(count_f, capacity_f)`` keys, ranked by probability (descending), equal probabilities to
+the lower index, invisible keys after all visible ones (so never taken while ``f <= 1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
+
+RADIX_BITS = 10  # 3 digits cover the 30-bit probability keys
+KEY_BITS = 30
+INT32_MAX = 2**31 - 1
+
+
+# ------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores_kernel(
+    q_ptr, k_ptr, mask_ptr, s_ptr, pm_ptr, pl_ptr,
+    S, HKV, R_GROUP, scale,
+    sqb, sqh, sqt, sqd,
+    skb, skh, sks, skd,
+    smb, smh, smt, sms,
+    CHUNK, SPLIT,
+    G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = r < G * T
+    h = hk * G + (r // T)
+    t = r % T
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + t[:, None] * sqt + dd[None, :] * sqd, mask=r_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    row = pid_bh.to(tl.int64) * R_GROUP + r  # global query row (b, h, t)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    start = pid_s * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    k_base = k_ptr + b * skb + hk * skh
+    m_base = mask_ptr + b * smb + h[:, None] * smh + t[:, None] * smt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kt = tl.load(k_base + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=n_ok[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale
+        ok = r_ok[:, None] & n_ok[None, :]
+        vis = tl.load(m_base + n[None, :].to(tl.int64) * sms, mask=ok, other=0) != 0
+        s = tl.where(vis, s, float("-inf"))
+        tl.store(s_ptr + row[:, None] * S + n[None, :], s, mask=ok)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        finite = m_new > float("-inf")
+        alpha = tl.where(finite, tl.exp(m_i - m_new), 1.0)
+        p = tl.where(finite[:, None], tl.exp(s - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    tl.store(pm_ptr + row * SPLIT + pid_s, m_i, mask=r_ok)
+    tl.store(pl_ptr + row * SPLIT + pid_s, l_i, mask=r_ok)
+
+
+@triton.jit
+def _prob_key(v):
+    """Sortable int32 key of a stored probability: bits(p) + 1 for p >= 0, 0 for invisible (-1)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return tl.where(v >= 0.0, tl.minimum(bits, (1 << 30) - 2) + 1, 0)
+
+
+@triton.jit
+def _pick_digit(h, rnk, NB: tl.constexpr):
+    """Bucket holding the rnk-th largest element of histogram h, and the count above it."""
+    bins = tl.arange(0, NB)
+    suffix = tl.cumsum(h, 0, reverse=True)
+    d = tl.maximum(tl.sum((suffix >= rnk).to(tl.int32), 0) - 1, 0)
+    above = tl.sum(tl.where(bins > d, h, 0), 0)
+    return d, above
+
+
+@triton.jit
+def _select_first_kernel(
+    p_ptr, pm_ptr, pl_ptr, hist_ptr,
+    S, SPLIT_A, CHUNK, SPLIT,
+    SPLIT_A_P2: tl.constexpr, LO: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    sa = tl.arange(0, SPLIT_A_P2)
+    pm = tl.load(pm_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=float("-inf"))
+    pl = tl.load(pl_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=0.0)
+    m = tl.max(pm, 0)
+    w = tl.where(pm > float("-inf"), tl.exp(pm - m), 0.0)
+    inv_l = 1.0 / tl.sum(pl * w, 0)
+    hist = tl.zeros([NB], tl.int32)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        n_ok = n < end
+        s = tl.load(p_ptr + row * S + n, mask=n_ok, other=float("-inf"))
+        vis = s > float("-inf")
+        v = tl.where(vis, tl.exp(s - m) * inv_l, -1.0)
+        tl.store(p_ptr + row * S + n, v, mask=n_ok)
+        key = _prob_key(v)
+        hist += tl.histogram((key >> LO) & (NB - 1), NB, mask=n_ok)
+    tl.store(hist_ptr + (row * SPLIT + c) * NB + tl.arange(0, NB), hist)
+
+
+@triton.jit
+def _select_level_kernel(
+    p_ptr, kk_ptr, hprev_ptr, hcur_ptr, pre_prev_ptr, rnk_prev_ptr, pre_cur_ptr, rnk_cur_ptr, above_ptr,
+    S, R, J, CHUNK, SPLIT,
+    FIRST: tl.constexpr, SHARED_PREV: tl.constexpr,
+    PREV_LO: tl.constexpr, PREV_WIDTH: tl.constexpr, CUR_LO: tl.constexpr,
+    NB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Digit `level-1` is fixed from the previous histograms, digit `level` is histogrammed."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    bins = tl.arange(0, NB)
+    for j in range(J):
+        jr = j * R + row
+        if FIRST:
+            pre = tl.zeros([], tl.int32)
+            rnk = tl.load(kk_ptr + jr)
+        else:
+            pre = tl.load(pre_prev_ptr + jr)
+            rnk = tl.load(rnk_prev_ptr + jr)
+        if SHARED_PREV:
+            hrow = hprev_ptr + row * SPLIT * NB
+        else:
+            hrow = hprev_ptr + jr * SPLIT * NB
+        h = tl.zeros([NB], tl.int32)
+        for c2 in range(SPLIT):
+            h += tl.load(hrow + c2 * NB + bins)
+        d, above = _pick_digit(h, rnk, NB)
+        pre = (pre << PREV_WIDTH) | d
+        rnk = rnk - above
+        tl.store(pre_cur_ptr + jr, pre, mask=c == 0)
+        tl.store(rnk_cur_ptr + jr, rnk, mask=c == 0)
+        mine = tl.load(hrow + c * NB + bins)
+        ab = tl.load(above_ptr + jr * SPLIT + c)
+        tl.store(above_ptr + jr * SPLIT + c, ab + tl.sum(tl.where(bins > d, mine, 0), 0))
+        hist = tl.zeros([NB], tl.int32)
+        start = c * CHUNK
+        end = tl.minimum(start + CHUNK, S)
+        for n0 in range(start, end, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            n_ok = n < end
+            key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
+            inside = n_ok & ((key >> PREV_LO) == pre)
+            hist += tl.histogram((key >> CUR_LO) & (NB - 1), NB, mask=inside)
+        tl.store(hcur_ptr + (jr * SPLIT + c) * NB + bins, hist)
+
+
+@triton.jit
+def _select_compact_kernel(
+    p_ptr, kk_ptr, hprev_ptr, pre_prev_ptr, rnk_prev_ptr, above_ptr, keys_ptr, thr_ptr, cut_ptr,
+    S, R, J, CHUNK, SPLIT, KMAX,
+    PREV_WIDTH: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    bins = tl.arange(0, NB)
+    for j in range(J):
+        jr = j * R + row
+        k = tl.load(kk_ptr + jr)
+        pre = tl.load(pre_prev_ptr + jr)
+        rnk = tl.load(rnk_prev_ptr + jr)
+        hrow = hprev_ptr + jr * SPLIT * NB
+        h = tl.zeros([NB], tl.int32)
+        for c2 in range(SPLIT):
+            h += tl.load(hrow + c2 * NB + bins)
+        d, above = _pick_digit(h, rnk, NB)
+        kstar = (pre << PREV_WIDTH) | d  # the exact k-th largest key
+        need = rnk - above  # how many keys equal to K* are taken (lowest indices first)
+        kstar = tl.where(k > 0, kstar, 2147483647)
+        need = tl.where(k > 0, need, 0)
+        tl.store(thr_ptr + jr, kstar, mask=c == 0)
+        # keys taken and ties seen in the chunks before this one
+        taken = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        for c2 in range(c):
+            hc = tl.load(hrow + c2 * NB + bins)
+            taken += tl.load(above_ptr + jr * SPLIT + c2) + tl.sum(tl.where(bins > d, hc, 0), 0)
+            ties += tl.sum(tl.where(bins == d, hc, 0), 0)
+        taken += tl.minimum(ties, need)
+        cut = tl.full([], -1, tl.int32)
+        start = c * CHUNK
+        end = tl.minimum(start + CHUNK, S)
+        for n0 in range(start, end, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            n_ok = n < end
+            key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
+            eq = n_ok & (key == kstar)
+            eq_i = eq.to(tl.int32)
+            eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
+            tie_take = eq & (eq_rank < need)
+            take = (n_ok & (key > kstar)) | tie_take
+            take_i = take.to(tl.int32)
+            pos = taken + tl.cumsum(take_i, 0) - take_i
+            tl.store(keys_ptr + jr * KMAX + pos, n, mask=take & (pos < KMAX))
+            cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
+            ties += tl.sum(eq_i, 0)
+            taken += tl.sum(take_i, 0)
+        tl.store(cut_ptr + jr, cut, mask=cut >= 0)
+
+
+@triton.jit
+def _pv_kernel(
+    p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr,
+    S, HKV, R, R_GROUP, E_GROUP, E_TOTAL,
+    svb, svh, svs, svd,
+    CHUNK,
+    D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_e = tl.program_id(2)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E_GROUP
+    slot = e // R_GROUP
+    row = pid_bh.to(tl.int64) * R_GROUP + e % R_GROUP
+    sel_row = e_ok & (slot > 0)
+    thr = tl.load(thr_ptr + (slot - 1) * R + row, mask=sel_row, other=-1)  # slot 0: every key
+    cut = tl.load(cut_ptr + (slot - 1) * R + row, mask=sel_row, other=-1)
+    dd = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_E, D], tl.float32)
+    msum = tl.zeros([BLOCK_E], tl.float32)
+    start = pid_s * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    v_base = v_ptr + b * svb + hk * svh
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        p = tl.load(p_ptr + row[:, None] * S + n[None, :], mask=e_ok[:, None] & n_ok[None, :], other=-1.0)
+        key = _prob_key(p)
+        sel = (key > thr[:, None]) | ((key == thr[:, None]) & (n[None, :] <= cut[:, None]))
+        p = tl.where(sel, tl.maximum(p, 0.0), 0.0)
+        vt = tl.load(v_base + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=n_ok[:, None], other=0.0)
+        acc = tl.dot(p, vt.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        msum += tl.sum(p, 1)
+    out_row = slot.to(tl.int64) * R + row  # [slot, row] in the (F+1) x R partial layout
+    tl.store(po_ptr + (pid_s * E_TOTAL + out_row[:, None]) * D + dd[None, :], acc, mask=e_ok[:, None])
+    tl.store(pmass_ptr + pid_s * E_TOTAL + out_row, msum, mask=e_ok)
+
+
+@triton.jit
+def _pv_combine_kernel(
+    po_ptr, pmass_ptr, out_ptr, oref_ptr, cref_ptr, mass_ptr,
+    R, E_TOTAL, SPLIT,
+    D: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E_TOTAL
+    e64 = e.to(tl.int64)
+    dd = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_E, D], tl.float32)
+    msum = tl.zeros([BLOCK_E], tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(po_ptr + (s * E_TOTAL + e64[:, None]) * D + dd[None, :], mask=e_ok[:, None], other=0.0)
+        msum += tl.load(pmass_ptr + s * E_TOTAL + e64, mask=e_ok, other=0.0)
+    full = e_ok & (e < R)
+    part = e_ok & (e >= R)
+    tl.store(oref_ptr + e64[:, None] * D + dd[None, :], acc, mask=full[:, None])
+    tl.store(out_ptr + e64[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty), mask=full[:, None])
+    tl.store(cref_ptr + (e64[:, None] - R) * D + dd[None, :], acc, mask=part[:, None])
+    tl.store(mass_ptr + (e64 - R), msum, mask=part)
+
+
+@triton.jit
+def _correction_kernel(
+    q_ptr, k_ptr, v_ptr, keys_ptr, count_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr,
+    pm_ptr, pl_ptr, pacc_ptr,
+    HQ, T, G, KMAX, CHUNK, SPLIT, scale,
+    sqb, sqh, sqt, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    sob, soh, sot, sod,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    t = row % T
+    h = (row // T) % HQ
+    b = (row // (T * HQ)).to(tl.int64)
+    hk = (h // G).to(tl.int64)
+    row64 = row.to(tl.int64)
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + h * sqh + t * sqt + dd * sqd).to(tl.float32)
+    cnt = tl.minimum(tl.load(count_ptr + row64), KMAX)
+    start = pid_s * CHUNK
+    end = tl.minimum(start + CHUNK, cnt)
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    k_base = k_ptr + b * skb + hk * skh
+    v_base = v_ptr + b * svb + hk * svh
+    for j0 in range(start, end, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        j_ok = j < end
+        idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
+        kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(kt * q[None, :], 1) * scale
+        s = tl.where(j_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
+        p = tl.exp(s - m_new)
+        vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    if FINAL:
+        local = tl.where(l_i > 0.0, acc / l_i, 0.0)
+        o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
+        tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(pm_ptr + row64 * SPLIT + pid_s, m_i)
+        tl.store(pl_ptr + row64 * SPLIT + pid_s, l_i)
+        tl.store(pacc_ptr + (row64 * SPLIT + pid_s) * D + dd, acc)
+
+
+@triton.jit
+def _correction_combine_kernel(
+    pm_ptr, pl_ptr, pacc_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr,
+    HQ, T, SPLIT,
+    sob, soh, sot, sod,
+    D: tl.constexpr, SPLIT_P2: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = row % T
+    h = (row // T) % HQ
+    b = (row // (T * HQ)).to(tl.int64)
+    row64 = row.to(tl.int64)
+    sp = tl.arange(0, SPLIT_P2)
+    sp_ok = sp < SPLIT
+    dd = tl.arange(0, D)
+    pm = tl.load(pm_ptr + row64 * SPLIT + sp, mask=sp_ok, other=float("-inf"))
+    pl = tl.load(pl_ptr + row64 * SPLIT + sp, mask=sp_ok, other=0.0)
+    pacc = tl.load(pacc_ptr + (row64 * SPLIT + sp[:, None]) * D + dd[None, :], mask=sp_ok[:, None], other=0.0)
+    m = tl.max(pm, 0)
+    w = tl.where(pm > float("-inf"), tl.exp(pm - m), 0.0)
+    l = tl.sum(pl * w, 0)
+    acc = tl.sum(pacc * w[:, None], 0)
+    local = tl.where(l > 0.0, acc / l, 0.0)
+    o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
+    tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
+
+
+# ------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes and split targets. ``None`` splits are chosen from the SM count."""
+
+    block_n: int = 64  # keys per tile in the scores / PV kernels
+    block_sel: int = 2048  # keys per tile in the selection kernels
+    block_k: int = 64  # selected keys per tile in the correction kernel
+    min_sel_chunk: int = 4096  # fewest keys one selection program handles
+    split_kv: int | None = None  # splits of S for the scores / PV kernels
+    split_sel: int | None = None  # programs per row in the selection kernels
+    split_corr: int | None = None  # splits of the selected set in the correction kernel
+    num_warps_kv: int = 4
+    num_stages_kv: int = 3
+    num_warps_sel: int = 8
+    num_warps_corr: int = 4
+
+
+DEFAULT_CONFIG = KernelConfig()
+INTERPRETER_CONFIG = KernelConfig(block_n=16, block_sel=64, block_k=16, min_sel_chunk=64)
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split(total: int, block: int, want: int) -> tuple[int, int]:
+    """(chunk, splits): `total` items in `splits` chunks of `chunk` (a multiple of `block`)."""
+    want = max(1, min(int(want), _cdiv(total, block)))
+    chunk = _cdiv(_cdiv(total, want), block) * block
+    return chunk, _cdiv(total, chunk)
+
+
+class _Launcher:
+    """``kernel[grid](...)`` or ``torch.library.wrap_triton(kernel)[grid](...)``."""
+
+    def __init__(self, wrap: bool):
+        self.wrap = wrap
+
+    def __call__(self, kernel, grid):
+        if self.wrap:
+            return torch.library.wrap_triton(kernel)[grid]
+        return kernel[grid]
+
+
+def _config_for(device: torch.device, config: KernelConfig | None) -> KernelConfig:
+    if config is not None:
+        return config
+    return DEFAULT_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # bf16/fp16 products are exact in FP32; FP32 operands need more than plain tf32.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _radix_digits() -> list[tuple[int, int]]:
+    """(lo, width) of each digit, most significant first."""
+    digits, hi = [], KEY_BITS
+    while hi > 0:
+        lo = max(hi - RADIX_BITS, 0)
+        digits.append((lo, hi - lo))
+        hi = lo
+    return digits
+
+
+def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False, config: KernelConfig | None = None):
+    """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body."""
+    from flashloop_compile.lowering.ops import key_counts
+
+    launch = _Launcher(wrap)
+    cfg = _config_for(q.device, config)
+    dev = q.device
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = hq // hkv
+    f = len(fractions)
+    kmax = max(capacities)
+    rows = b * hq * t
+    m_group = g * t
+    n_sm = _sm_count(dev)
+    upcast = dev.type != "cuda"  # the interpreter cannot run bf16 dots
+    precision = _dot_precision(q.dtype)
+
+    mask_full = mask.expand(b, hq, t, s)
+    mask_u8 = mask_full.view(torch.uint8)
+    visible = mask_full.sum(-1)
+    count = torch.stack([key_counts(fr, visible) for fr in fractions])  # [F, B, Hq, T]
+    kk = torch.stack([count[i].clamp_max(int(cap)) for i, cap in enumerate(capacities)]).reshape(f, rows).contiguous()
+
+    # 1. scores + softmax partials (one read of K)
+    block_m = max(16, _next_pow2(min(m_group, 64)))
+    m_chunks = _cdiv(m_group, block_m)
+    want = cfg.split_kv or _cdiv(4 * n_sm, b * hkv * m_chunks)
+    chunk_a, split_a = _split(s, cfg.block_n, want)
+    probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
+        q, k, mask_u8, probs, part_m, part_l,
+        s, hkv, m_group, float(scale),
+        *q.stride(), *k.stride(), *mask_u8.stride(),
+        chunk_a, split_a,
+        G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps_kv, num_stages=cfg.num_stages_kv,
+    )
+
+    # 2. radix select (probabilities written in place of the scores)
+    digits = _radix_digits()
+    nb = 1 << RADIX_BITS
+    want = cfg.split_sel or min(_cdiv(2 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
+    chunk_b, split_b = _split(s, cfg.block_sel, want)
+    hist0 = torch.empty(rows, split_b, nb, dtype=torch.int32, device=dev)
+    launch(_select_first_kernel, (rows, split_b))(
+        probs, part_m, part_l, hist0,
+        s, split_a, chunk_b, split_b,
+        SPLIT_A_P2=_next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
+        num_warps=cfg.num_warps_sel,
+    )
+    above = torch.zeros(f, rows, split_b, dtype=torch.int32, device=dev)
+    hprev, pre_prev, rnk_prev = hist0, kk, kk  # pre/rnk unused at the first level
+    for level in range(1, len(digits)):
+        hcur = torch.empty(f, rows, split_b, nb, dtype=torch.int32, device=dev)
+        pre_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
+        rnk_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
+        launch(_select_level_kernel, (rows, split_b))(
+            probs, kk, hprev, hcur, pre_prev, rnk_prev, pre_cur, rnk_cur, above,
+            s, rows, f, chunk_b, split_b,
+            FIRST=level == 1, SHARED_PREV=level == 1,
+            PREV_LO=digits[level - 1][0], PREV_WIDTH=digits[level - 1][1], CUR_LO=digits[level][0],
+            NB=nb, BLOCK=cfg.block_sel,
+            num_warps=cfg.num_warps_sel,
+        )
+        hprev, pre_prev, rnk_prev = hcur, pre_cur, rnk_cur
+    keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
+    thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
+    cut = torch.full((f, rows), -1, dtype=torch.int32, device=dev)
+    launch(_select_compact_kernel, (rows, split_b))(
+        probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut,
+        s, rows, f, chunk_b, split_b, kmax,
+        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=cfg.block_sel,
+        num_warps=cfg.num_warps_sel,
+    )
+
+    # 3. O_ref, C_ref and mass in one pass over V, then the split combine
+    e_group = (f + 1) * m_group
+    block_e = max(16, _next_pow2(min(e_group, 64)))
+    e_chunks = _cdiv(e_group, block_e)
+    want = cfg.split_kv or _cdiv(4 * n_sm, b * hkv * e_chunks)
+    chunk_c, split_c = _split(s, cfg.block_n, want)
+    e_total = (f + 1) * rows
+    part_o = torch.empty(split_c, e_total, d, dtype=torch.float32, device=dev)
+    part_mass = torch.empty(split_c, e_total, dtype=torch.float32, device=dev)
+    launch(_pv_kernel, (b * hkv, split_c, e_chunks))(
+        probs, v, thr, cut, part_o, part_mass,
+        s, hkv, rows, m_group, e_group, e_total,
+        *v.stride(),
+        chunk_c,
+        D=d, BLOCK_E=block_e, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32x3",
+        num_warps=cfg.num_warps_kv, num_stages=cfg.num_stages_kv,
+    )
+    out = q.new_empty(b, hq, t, d)
+    o_ref = torch.empty(b, hq, t, d, dtype=torch.float32, device=dev)
+    c_ref = torch.empty(f, b, hq, t, d, dtype=torch.float32, device=dev)
+    mass = torch.empty(f, b, hq, t, dtype=torch.float32, device=dev)
+    block_e2 = 16
+    launch(_pv_combine_kernel, (_cdiv(e_total, block_e2),))(
+        part_o, part_mass, out, o_ref, c_ref, mass,
+        rows, e_total, split_c,
+        D=d, BLOCK_E=block_e2,
+        num_warps=4,
+    )
+    return out, keys, count, mass, o_ref, c_ref
+
+
+def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, *, wrap: bool = False, config: KernelConfig | None = None):
+    """Triton body of ``flashloop::correction_attention``; same output as the ATen body."""
+    launch = _Launcher(wrap)
+    cfg = _config_for(q.device, config)
+    dev = q.device
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    kmax = keys.shape[-1]
+    rows = b * hq * t
+    keys_c = keys.reshape(rows, kmax).contiguous()
+    count_c = count.reshape(rows).contiguous()
+    mass_c = mass.reshape(rows).contiguous()
+    oref_c = o_ref.reshape(rows, d).contiguous()
+    cref_c = c_ref.reshape(rows, d).contiguous()
+    out = torch.empty_like(q)
+    want = cfg.split_corr or _cdiv(2 * _sm_count(dev), rows)
+    chunk, split = _split(max(kmax, 1), cfg.block_k, want)
+    final = split == 1
+    if final:
+        pm = pl = pacc = mass_c  # unused
+    else:
+        pm = torch.empty(rows, split, dtype=torch.float32, device=dev)
+        pl = torch.empty(rows, split, dtype=torch.float32, device=dev)
+        pacc = torch.empty(rows, split, d, dtype=torch.float32, device=dev)
+    launch(_correction_kernel, (rows, split))(
+        q, k, v, keys_c, count_c, mass_c, oref_c, cref_c, out,
+        pm, pl, pacc,
+        hq, t, hq // hkv, kmax, chunk, split, float(scale),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        D=d, BLOCK_K=cfg.block_k, FINAL=final,
+        num_warps=cfg.num_warps_corr,
+    )
+    if not final:
+        launch(_correction_combine_kernel, (rows,))(
+            pm, pl, pacc, mass_c, oref_c, cref_c, out,
+            hq, t, split,
+            *out.stride(),
+            D=d, SPLIT_P2=_next_pow2(split),
+            num_warps=4,
+        )
+    return out
