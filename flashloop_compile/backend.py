@@ -60,7 +60,7 @@ def make_backend(options: Any = None, *, inner: str = "inductor"):
 
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopConfig, inner: str):
     manager = PassManager(config)
-    report = manager.run(gm)
+    report = manager.run(gm, example_inputs)
     log.info("%s; config %s; passes %s", report, config, manager.uuid())
     _reports.append(report)
     del _reports[:-16]

@@ -17,13 +17,16 @@ from flashloop_compile.passes.recognize import (
 )
 
 import flashloop_compile.lowering.ops  # noqa: F401  (registers the flashloop ops)
+import flashloop_compile.lowering.selection_ops  # noqa: F401
 from flashloop_compile.passes.sparse_decode import SparseDecodeAttentionPass
+from flashloop_compile.passes.token_sparse import TokenSparsePrefillPass
 
-PASS_ORDER: list[type[FlashLoopPass]] = [SparseDecodeAttentionPass]
+PASS_ORDER: list[type[FlashLoopPass]] = [TokenSparsePrefillPass, SparseDecodeAttentionPass]
 
 __all__ = [
     "PASS_ORDER",
     "SparseDecodeAttentionPass",
+    "TokenSparsePrefillPass",
     "FlashLoopPass",
     "PassManager",
     "RewriteReport",

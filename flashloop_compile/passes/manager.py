@@ -35,6 +35,29 @@ def graph_phase(structure: LoopStructure) -> Phase:
     return "decode" if structure.query_len == 1 else "prefill"
 
 
+class PassContext:
+    """What passes may know beyond the graph: the real tensors behind its inputs (when the backend
+    runs them) and the runtime state they belong to."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list | None) -> None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.real = dict(zip(placeholders, example_inputs)) if example_inputs is not None else {}
+
+    def plan_for(self, structure: LoopStructure):
+        """The model's step plan (see runtime/state.py), anchored on its first cache buffer."""
+        from flashloop_compile.passes.graph import shape_of
+        from flashloop_compile.runtime.state import StepPlan, state_for_tensor
+
+        site = structure.sites[0]
+        anchor_node = site.cache.k_buffer if site.cache is not None and site.cache.k_buffer is not None else structure.shared_weights[0]
+        anchor = self.real.get(anchor_node)
+        if isinstance(anchor, torch.Tensor):
+            max_batch = anchor.shape[0] if anchor_node is not structure.shared_weights[0] else 256
+            return state_for_tensor(anchor, max_batch).plan
+        # graphs analysed without their real inputs (tests, inspect): a private all-valid plan
+        return StepPlan.allocate(int(shape_of(structure.states[0])[0]), "cpu")
+
+
 class FlashLoopPass:
     """Base class: subclasses set ``group`` (their config group) and implement plan/apply."""
 
@@ -43,6 +66,7 @@ class FlashLoopPass:
 
     def __init__(self, config: FlashLoopConfig) -> None:
         self.config = config
+        self.context: PassContext | None = None
 
     @property
     def name(self) -> str:
@@ -109,7 +133,7 @@ class PassManager:
                 h.update(p.uuid().encode())
         return h.hexdigest()[:16]
 
-    def run(self, gm: fx.GraphModule) -> RewriteReport:
+    def run(self, gm: fx.GraphModule, example_inputs: list | None = None) -> RewriteReport:
         outline = self.config.compilation.outline_layers
         if not self.config.any_enabled and not outline:
             return RewriteReport(None, None)
@@ -120,6 +144,9 @@ class PassManager:
         for p in active:
             p.check(structure)
         report = RewriteReport(structure, phase)
+        context = PassContext(gm, example_inputs)
+        for p in active:
+            p.context = context
         if outline:
             from flashloop_compile.passes.outline import layer_cuts
 
@@ -168,8 +195,13 @@ def propagate_fake_values(gm: fx.GraphModule) -> None:
     mode = next((x.fake_mode for x in inputs if isinstance(x, FakeTensor)), None)
     if mode is None:
         return
+    class _Prop(FakeTensorProp):
+        def fetch_attr(self, target: str):  # runtime tensors registered on the graph module
+            attr = super().fetch_attr(target)
+            return mode.from_tensor(attr, static_shapes=True) if isinstance(attr, torch.Tensor) else attr
+
     with mode:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        _Prop(gm, mode).propagate_dont_convert_inputs(*inputs)
     for n in gm.graph.nodes:
         if "example_value" not in n.meta and "val" in n.meta:
             n.meta["example_value"] = n.meta["val"]
