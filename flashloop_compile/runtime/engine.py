@@ -1,0 +1,264 @@
+"""Batched generation on the compiled model: prefill (whole or in window-aligned chunks), decode
+under CUDA graphs captured per bucket key, sampling, per-request stop tokens, timings.
+
+    engine = Engine(model, FlashLoopConfig.all_on(), max_batch=8, max_seq=4096)
+    result = engine.generate([prompt_a, prompt_b], max_new_tokens=64)
+    result.tokens, result.ttft_s, result.token_latency_s
+
+The engine allocates the caches once (static addresses), compiles the model with the flashloop
+backend (prefill with a dynamic token dimension, so prompt lengths do not recompile), writes the
+step plan (which rows are real, where prompts end) before every forward, and replays decode from
+CUDA graphs keyed by (phase, batch bucket, config hash). A batch larger than the last bucket runs
+the same compiled code without a graph and says so; it never falls back to dense.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from flashloop_compile.config import FlashLoopConfig
+from flashloop_compile.runtime.state import state_for_model
+
+__all__ = ["Engine", "Sampling", "GenerationResult", "BATCH_BUCKETS"]
+
+log = logging.getLogger("flashloop_compile.runtime")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Greedy when temperature is 0; otherwise temperature + nucleus (top_p) sampling, seeded."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not (0 < self.top_p <= 1):
+            raise ValueError(f"sampling needs temperature >= 0 and top_p in (0, 1], got {self}")
+
+
+GREEDY = Sampling()
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per request (stop token included when hit)
+    ttft_s: list[float]  # time to first token per request
+    token_latency_s: list[float]  # wall time of each decode step
+    prefill_s: float = 0.0
+    capture_s: float = 0.0
+    graphs: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tpot_s(self) -> float:
+        lat = self.token_latency_s
+        return sorted(lat)[len(lat) // 2] if lat else float("nan")
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: FlashLoopConfig | None = None,
+        *,
+        max_batch: int,
+        max_seq: int,
+        prefill_chunk: int | None = None,
+        cuda_graphs: bool | None = None,
+        batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        backend: Any = None,
+    ) -> None:
+        from flashloop_compile.backend import make_backend
+
+        self.model = model.eval()
+        self.config = (config or FlashLoopConfig()).resolve(model.config.num_loops)
+        self.max_batch, self.max_seq = max_batch, max_seq
+        window = self.config.token_sparse_prefill.window
+        if prefill_chunk is not None and self.config.token_sparse_prefill.selects:
+            if window is None:
+                raise ValueError("prefill_chunk needs token_sparse_prefill.window (global selection needs the whole prompt)")
+            if prefill_chunk % window:
+                raise ValueError(f"prefill_chunk={prefill_chunk} must be a multiple of token_sparse_prefill.window={window}")
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self.buckets = tuple(b for b in batch_buckets if b <= max_batch) or (max_batch,)
+        model.setup_caches(max_batch, max_seq)
+        self.state = state_for_model(model)
+        # fullgraph: a graph break would hand the backend fragments; the limit: Dynamo falls back to
+        # running eagerly (dense) when it is hit, which must be an error here.
+        self.compiled = torch.compile(model, backend=backend or make_backend(self.config), fullgraph=True)
+        self._dynamo_config = dict(recompile_limit=64, fail_on_recompile_limit_hit=True)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
+        self.capture_s = 0.0
+
+    # -- forwards ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _forward(self, ids: Tensor, pos: Tensor, seq_lens: list[int], last_pos: list[int] | None, dynamic: bool) -> Tensor:
+        self.state.plan.set(seq_lens, last_pos)
+        if dynamic:
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(pos, 1)
+        with torch._dynamo.config.patch(**self._dynamo_config):
+            return self.compiled(ids, pos)
+
+    def prefill(self, prompts: list[Tensor]) -> Tensor:
+        """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V]."""
+        b = len(prompts)
+        lengths = [len(p) for p in prompts]
+        t = max(lengths)
+        if t > self.max_seq:
+            raise ValueError(f"a prompt of {t} tokens exceeds max_seq={self.max_seq}")
+        ids = torch.zeros(b, t, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p.to(self.device)
+        pos = torch.arange(t, device=self.device)[None].expand(b, -1).contiguous()
+        chunk = self.prefill_chunk or t
+        last = torch.empty(b, self.model.config.vocab_size, device=self.device)
+        for start in range(0, t, chunk):
+            end = min(start + chunk, t)
+            valid = [min(n, end) for n in lengths]
+            last_pos = [n - 1 if start < n <= end else -1 for n in lengths]
+            logits = self._forward(ids[:, start:end].contiguous(), pos[:, start:end].contiguous(), valid, last_pos, dynamic=True)
+            for i, n in enumerate(lengths):
+                if start < n <= end:
+                    last[i] = logits[i, n - 1 - start].float()
+        return last
+
+    def _decode_eager(self, tok: Tensor, pos: Tensor) -> Tensor:
+        return self._forward(tok, pos, [int(p) + 1 for p in pos[:, 0].tolist()], None, dynamic=False)[:, -1]
+
+    def decode(self, tok: Tensor, pos: Tensor) -> Tensor:
+        """One decode step for rows 0..B-1 (tokens [B], positions [B]); logits [B, V]."""
+        b = tok.shape[0]
+        bucket = _bucket(b, self.buckets) if self.cuda_graphs else None
+        if bucket is None:
+            if self.cuda_graphs:
+                warnings.warn(f"decode batch {b} is outside the CUDA-graph buckets {self.buckets}: running without a graph")
+            return self._decode_eager(tok[:, None], pos[:, None])
+        key = ("decode", bucket, self.config.hash())
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(bucket)
+        graph, static_tok, static_pos, static_out = self._graphs[key]
+        static_tok.zero_()
+        static_pos.zero_()
+        static_tok[:b, 0] = tok
+        static_pos[:b, 0] = pos
+        # plan: real rows only; padded rows write position 0 of their (unused) slots
+        self.state.plan.set([int(p) + 1 for p in pos.tolist()] + [1] * (bucket - b))
+        graph.replay()
+        return static_out[:b]
+
+    def _capture(self, bucket: int):
+        t0 = time.perf_counter()
+        static_tok = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
+        static_pos = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
+        self.state.plan.set([1] * bucket)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad(), torch._dynamo.config.patch(**self._dynamo_config):
+            for _ in range(3):  # compile + warm up outside the capture
+                self.compiled(static_tok, static_pos)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.no_grad(), torch._dynamo.config.patch(**self._dynamo_config):
+            static_out = self.compiled(static_tok, static_pos)[:, -1]
+        self.capture_s += time.perf_counter() - t0
+        log.info("captured decode graph for batch bucket %d in %.1f s", bucket, time.perf_counter() - t0)
+        return graph, static_tok, static_pos, static_out
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | Tensor],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> GenerationResult:
+        """Generate for up to max_batch prompts at once; longer lists run in waves."""
+        prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+        if not prompts:
+            return GenerationResult([], [], [])
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if any(len(p) + max_new_tokens > self.max_seq for p in prompts):
+            raise ValueError(f"prompt + max_new_tokens exceeds max_seq={self.max_seq}; allocate a larger engine")
+        stops = _per_request_stops(stop_tokens, len(prompts))
+        out = GenerationResult([], [], [])
+        for w in range(0, len(prompts), self.max_batch):
+            part = self._generate_wave(prompts[w : w + self.max_batch], max_new_tokens, sampling, stops[w : w + self.max_batch])
+            out.tokens += part.tokens
+            out.ttft_s += part.ttft_s
+            out.token_latency_s += part.token_latency_s
+            out.prefill_s += part.prefill_s
+        out.capture_s, out.graphs = self.capture_s, self.num_graphs
+        return out
+
+    def _generate_wave(self, prompts, max_new_tokens, sampling, stops) -> GenerationResult:
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        logits = self.prefill(prompts)
+        tok = _sample(logits, sampling, gen)
+        sync()
+        prefill_s = time.perf_counter() - t0
+        b = len(prompts)
+        tokens = [[int(x)] for x in tok.tolist()]
+        done = [tokens[i][0] in stops[i] for i in range(b)]
+        pos = torch.tensor([len(p) for p in prompts], device=self.device)
+        latencies = []
+        for _ in range(max_new_tokens - 1):
+            if all(done):
+                break
+            t1 = time.perf_counter()
+            logits = self.decode(tok, pos)
+            tok = _sample(logits, sampling, gen)
+            host = tok.tolist()
+            latencies.append(time.perf_counter() - t1)
+            pos = pos + 1
+            for i in range(b):
+                if not done[i]:
+                    tokens[i].append(host[i])
+                    done[i] = host[i] in stops[i]
+        return GenerationResult(tokens, [prefill_s] * b, latencies, prefill_s=prefill_s)
+
+
+def _per_request_stops(stop_tokens, n: int) -> list[set[int]]:
+    if stop_tokens is None:
+        return [set() for _ in range(n)]
+    if all(isinstance(s, int) for s in stop_tokens):
+        return [set(stop_tokens) for _ in range(n)]
+    if len(stop_tokens) != n:
+        raise ValueError(f"stop_tokens: give one list for all requests or one per request ({n})")
+    return [set(s) for s in stop_tokens]
+
+
+def _sample(logits: Tensor, sampling: Sampling, gen: torch.Generator | None) -> Tensor:
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep = torch.cumsum(sorted_p, -1) - sorted_p < sampling.top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
