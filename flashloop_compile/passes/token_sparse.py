@@ -4,11 +4,12 @@ In a prefill graph, before each loop r >= 3 whose retention is below 1:
 1. ``flashloop.select_active`` scores the tokens from the two preceding loop states and keeps a
    nested top-k per window (static size from the token count, no host sync);
 2. the loop state and every per-token input of the body (positions, and what the graph computes
-   from them: RoPE cos/sin, the causal mask) are gathered at the selected rows;
+   from them: RoPE cos/sin) are gathered at the selected rows;
 3. each layer's cache slot of loop r first inherits loop r-1's K/V at the forward's positions,
    then the re-emitted body writes K/V for the active rows only;
-4. loop r's body is re-emitted on the gathered rows (norms, QKV, attention over the full
-   logical KV at the original positions, MLP, the end-of-loop norm), and every value it hands
+4. loop r's body is re-emitted on the gathered rows (norms, QKV, MLP, the end-of-loop norm);
+   its attention becomes ``flashloop.position_attention``: the active queries at their original,
+   non-consecutive positions over the loop's full logical KV cache; every value the body hands
    on (H[r], exit-gate logits, per-loop logits) is scattered back into loop r-1's value, which
    is what inactive rows keep.
 
@@ -27,6 +28,7 @@ from flashloop_compile.lowering.selection_ops import ratio_fraction, selected_co
 from flashloop_compile.passes.graph import shape_of, val
 from flashloop_compile.passes.manager import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
+from flashloop_compile.passes.sparse_decode import site_scale
 
 __all__ = ["TokenSparsePrefillPass", "gather_rows", "scatter_rows"]
 
@@ -152,6 +154,18 @@ class TokenSparsePrefillPass(FlashLoopPass):
                 emitted = _Reemitter(graph, env, in_body, dependent)
                 for n in body:
                     emitted(n)
+                # the active queries sit at non-consecutive positions: attend with the kernel
+                # that takes them directly instead of a gathered [B, 1, K, S] mask
+                for layer in range(structure.num_layers):
+                    site = structure.site(d, layer)
+                    old = emitted(site.node)
+                    with graph.inserting_before(old):
+                        new = graph.call_function(
+                            torch.ops.flashloop.position_attention.default,
+                            (emitted(site.q), emitted(site.k), emitted(site.v), emitted(site.cache.positions), site_scale(site)),
+                        )
+                    old.replace_all_uses_with(new)
+                    graph.erase_node(old)
                 for i, n in enumerate(body):
                     outside = [u for u in n.users if u not in in_body]
                     if not outside:
