@@ -42,6 +42,13 @@ class PassContext:
     def __init__(self, gm: fx.GraphModule, example_inputs: list | None) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.real = dict(zip(placeholders, example_inputs)) if example_inputs is not None else {}
+        # nodes a pass replaced by others (layer boundaries follow them when outlining)
+        self.replaced: dict[fx.Node, fx.Node] = {}
+
+    def follow(self, n: fx.Node) -> fx.Node:
+        while n in self.replaced:
+            n = self.replaced[n]
+        return n
 
     def plan_for(self, structure: LoopStructure):
         """The model's step plan (see runtime/state.py), anchored on its first cache buffer."""
@@ -155,6 +162,7 @@ class PassManager:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("graph before %s:\n%s", p.name, gm.code)
             report.matched[p.name] = p.apply(gm, structure)
+            report.cuts = [context.follow(c) for c in report.cuts]
             gm.graph.eliminate_dead_code(is_impure_node=_impure)
             gm.graph.lint()
             gm.recompile()

@@ -166,6 +166,7 @@ class TokenSparsePrefillPass(FlashLoopPass):
                         )
                     old.replace_all_uses_with(new)
                     graph.erase_node(old)
+                    emitted.env[site.node] = new
                 for i, n in enumerate(body):
                     outside = [u for u in n.users if u not in in_body]
                     if not outside:
@@ -181,6 +182,8 @@ class TokenSparsePrefillPass(FlashLoopPass):
                     for u in outside:
                         u.replace_input_with(n, merged)
                     final[n] = merged
+            for n in body:
+                self.context.replaced[n] = final.get(n, emitted(n))
             for n in reversed(body):
                 graph.erase_node(n)
             prev_active = active

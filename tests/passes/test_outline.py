@@ -61,3 +61,25 @@ def test_outlined_inductor_matches_eager_rewrite():
     got = _run(model, make_backend({"compilation.outline_layers": True, **options}))
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_outlined_token_sparse_prefill_matches_eager_rewrite():
+    options = {"token_sparse_prefill.enabled": True, "token_sparse_prefill.window": 4}
+
+    def run(opts):
+        model = tiny()
+        ids, pos = ragged_batch([11, 11])
+        model.setup_caches(2, 64)
+        torch._dynamo.reset()
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(pos, 1)
+        with torch.no_grad():
+            out = torch.compile(model, backend=make_backend(opts, inner="eager"))(ids, pos)
+        torch._dynamo.reset()
+        return out, last_report()
+
+    expected, _ = run(options)
+    got, report = run({**options, "compilation.outline_layers": True})
+    assert report.matched == {"TokenSparsePrefillPass": 2}
+    assert sum(report.segments.values()) == 1 + 4 * 3 + 1
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
