@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,29 +14,10 @@ from flashloop_compile.lowering import prefill_ops
 from flashloop_compile.lowering.prefill_ops import position_attention, position_attention_aten
 
 triton = pytest.importorskip("triton")
-import triton.runtime.interpreter as triton_interpreter  # noqa: E402
 
 from flashloop_compile.lowering.kernels import prefill_attention as pa  # noqa: E402
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns a scalar into a Python int with ``int(array)``; scalars are
-    1-element arrays there, which NumPy >= 2.4 refuses. The kernel's key loops have bounds read
-    from the positions (``range(0, end, BLOCK_N)``), so read the single element instead. (Same
-    fix, same marker, as tests/lowering/test_sparse_decode_kernels.py: applied once.)"""
-    original = triton_interpreter._patch_lang_tensor
-    if getattr(original, "_flashloop_index_fix", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._flashloop_index_fix = True
-    triton_interpreter._patch_lang_tensor = patched
-
-
-_fix_interpreter_scalar_index()
 
 SMALL = pa.PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)  # several blocks both ways
 

@@ -15,8 +15,9 @@ Reference pipeline (R = B * Hq * T query rows, M = (Hq // Hkv) * T rows per kv h
    row of the kv group computes FP32 scores ``s = q.k * scale`` (-inf where the mask hides the
    key) into a scratch ``[R, S]`` buffer plus per-split online-softmax partials (max, sumexp).
 2. Top-k selection, a radix select over the bit pattern of the probability, split over
-   ``SPLIT_B`` programs per row (3 digits of 10 bits; probabilities are in [0, 1] so the
-   sortable key ``bits(p) + 1`` (0 for invisible keys) is below 2**30):
+   ``SPLIT_B`` programs per row (digits of RADIX_BITS = 8 bits: 8, 8, 8, 6; probabilities are in
+   [0, 1] so the sortable key ``bits(p) + 1`` (0 for invisible keys) is below 2**30;
+   ``tl.histogram`` cost grows with the bin count, 256 bins measured fastest on an H200):
    - ``_select_first_kernel`` grid (R, SPLIT_B): row normalizer from the partials, rewrites the
      scratch row in place with ``p`` (-1.0 for invisible keys; later kernels never recompute an
      exponential, so every kernel sees bit-identical probabilities) and histograms digit 0;
@@ -29,9 +30,15 @@ Reference pipeline (R = B * Hq * T query rows, M = (Hq // Hkv) * T rows per kv h
      tie taken, so the predicate ``key > K* or (key == K* and index <= cut)`` reproduces the set.
 3. ``_pv_kernel`` grid (B*Hkv, SPLIT_C, cdiv((F+1)*M, BLOCK_E)): one read of V; the rows of the
    dot are (slot, query row) pairs, slot 0 = all keys (O_ref), slot 1+f = the keys of fraction
-   f (C_ref and mass), so O_ref and every C_ref come out of the same pass over V.
-4. ``_pv_combine_kernel`` grid (cdiv((F+1)*R, BLOCK_E),): sums the split partials (the
-   probabilities are already normalized, so no rescaling) and writes out / o_ref / c_ref / mass.
+   f (C_ref and mass), so O_ref and every C_ref come out of the same pass over V. For bf16 V the
+   FP32 probabilities enter the MMA as three bf16 terms (hi + mid + lo, 24 bits); otherwise as
+   tf32x3.
+4. ``_pv_combine_kernel`` grid ((F+1)*R,): sums the split partials (the probabilities are
+   already normalized, so no rescaling) and writes out / o_ref / c_ref / mass.
+
+Bytes (bf16, T=1, Hq=Hkv, D=128): K and V are read once (512 B per key and kv head, as dense
+decode attention); the FP32 score/probability row adds 4 B per key and query row, written once
+and re-read by the selection passes and the PV pass (~28 B per key and row, mostly L2 hits).
 
 Correction: ``_correction_kernel`` grid (R, SPLIT_K) gathers the selected K/V rows of each
 query row, runs an online softmax and, with one split, writes ``O_ref - C_ref + m * local``
@@ -53,9 +60,8 @@ import triton.language as tl
 
 __all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
 
-RADIX_BITS = 10  # 3 digits cover the 30-bit probability keys
+RADIX_BITS = 8  # 4 digits (8, 8, 8, 6 bits) cover the 30-bit probability keys
 KEY_BITS = 30
-INT32_MAX = 2**31 - 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -78,6 +84,7 @@ def _scores_kernel(
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
+    scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     b = (pid_bh // HKV).to(tl.int64)
     hk = (pid_bh % HKV).to(tl.int64)
     r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,15 +108,15 @@ def _scores_kernel(
         kt = tl.load(k_base + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=n_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_f
         ok = r_ok[:, None] & n_ok[None, :]
         vis = tl.load(m_base + n[None, :].to(tl.int64) * sms, mask=ok, other=0) != 0
         s = tl.where(vis, s, float("-inf"))
         tl.store(s_ptr + row[:, None] * S + n[None, :], s, mask=ok)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        finite = m_new > float("-inf")
-        alpha = tl.where(finite, tl.exp(m_i - m_new), 1.0)
-        p = tl.where(finite[:, None], tl.exp(s - m_new[:, None]), 0.0)
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no (-inf) - (-inf)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     tl.store(pm_ptr + row * SPLIT + pid_s, m_i, mask=r_ok)
@@ -145,8 +152,8 @@ def _select_first_kernel(
     pm = tl.load(pm_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=float("-inf"))
     pl = tl.load(pl_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=0.0)
     m = tl.max(pm, 0)
-    w = tl.where(pm > float("-inf"), tl.exp(pm - m), 0.0)
-    inv_l = 1.0 / tl.sum(pl * w, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # a row without visible keys: every v is -1 below
+    inv_l = 1.0 / tl.maximum(tl.sum(pl * tl.exp(pm - m), 0), 1e-30)
     hist = tl.zeros([NB], tl.int32)
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, S)
@@ -195,8 +202,10 @@ def _select_level_kernel(
         tl.store(pre_cur_ptr + jr, pre, mask=c == 0)
         tl.store(rnk_cur_ptr + jr, rnk, mask=c == 0)
         mine = tl.load(hrow + c * NB + bins)
-        ab = tl.load(above_ptr + jr * SPLIT + c)
-        tl.store(above_ptr + jr * SPLIT + c, ab + tl.sum(tl.where(bins > d, mine, 0), 0))
+        mine_above = tl.sum(tl.where(bins > d, mine, 0), 0)
+        if not FIRST:
+            mine_above += tl.load(above_ptr + jr * SPLIT + c)
+        tl.store(above_ptr + jr * SPLIT + c, mine_above)
         hist = tl.zeros([NB], tl.int32)
         start = c * CHUNK
         end = tl.minimum(start + CHUNK, S)
@@ -268,7 +277,7 @@ def _pv_kernel(
     S, HKV, R, R_GROUP, E_GROUP, E_TOTAL,
     svb, svh, svs, svd,
     CHUNK,
-    D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_P_BF16: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -296,7 +305,18 @@ def _pv_kernel(
         sel = (key > thr[:, None]) | ((key == thr[:, None]) & (n[None, :] <= cut[:, None]))
         p = tl.where(sel, tl.maximum(p, 0.0), 0.0)
         vt = tl.load(v_base + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=n_ok[:, None], other=0.0)
-        acc = tl.dot(p, vt.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        if SPLIT_P_BF16:
+            # bf16 V is exact; P = hi + mid + lo in bf16 keeps 24 bits: three bf16 MMAs on the
+            # V tile as loaded instead of an FP32 (tf32x3) product that re-splits V every tile
+            p_hi = p.to(tl.bfloat16)
+            r1 = p - p_hi.to(tl.float32)
+            p_mid = r1.to(tl.bfloat16)
+            p_lo = (r1 - p_mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(p_hi, vt, acc)
+            acc = tl.dot(p_mid, vt, acc)
+            acc = tl.dot(p_lo, vt, acc)
+        else:
+            acc = tl.dot(p, vt.to(tl.float32), acc, input_precision="tf32x3")
         msum += tl.sum(p, 1)
     out_row = slot.to(tl.int64) * R + row  # [slot, row] in the (F+1) x R partial layout
     tl.store(po_ptr + (pid_s * E_TOTAL + out_row[:, None]) * D + dd[None, :], acc, mask=e_ok[:, None])
@@ -307,23 +327,20 @@ def _pv_kernel(
 def _pv_combine_kernel(
     po_ptr, pmass_ptr, out_ptr, oref_ptr, cref_ptr, mass_ptr,
     R, E_TOTAL, SPLIT,
-    D: tl.constexpr, BLOCK_E: tl.constexpr,
+    D: tl.constexpr, SPLIT_P2: tl.constexpr,
 ):
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    e_ok = e < E_TOTAL
-    e64 = e.to(tl.int64)
+    e = tl.program_id(0).to(tl.int64)  # (slot, row): slot 0 -> o_ref/out, slot 1+f -> c_ref[f]/mass[f]
+    sp = tl.arange(0, SPLIT_P2)
+    sp_ok = sp < SPLIT
     dd = tl.arange(0, D)
-    acc = tl.zeros([BLOCK_E, D], tl.float32)
-    msum = tl.zeros([BLOCK_E], tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(po_ptr + (s * E_TOTAL + e64[:, None]) * D + dd[None, :], mask=e_ok[:, None], other=0.0)
-        msum += tl.load(pmass_ptr + s * E_TOTAL + e64, mask=e_ok, other=0.0)
-    full = e_ok & (e < R)
-    part = e_ok & (e >= R)
-    tl.store(oref_ptr + e64[:, None] * D + dd[None, :], acc, mask=full[:, None])
-    tl.store(out_ptr + e64[:, None] * D + dd[None, :], acc.to(out_ptr.dtype.element_ty), mask=full[:, None])
-    tl.store(cref_ptr + (e64[:, None] - R) * D + dd[None, :], acc, mask=part[:, None])
-    tl.store(mass_ptr + (e64 - R), msum, mask=part)
+    acc = tl.sum(tl.load(po_ptr + (sp[:, None] * E_TOTAL + e) * D + dd[None, :], mask=sp_ok[:, None], other=0.0), 0)
+    msum = tl.sum(tl.load(pmass_ptr + sp * E_TOTAL + e, mask=sp_ok, other=0.0), 0)
+    if e < R:
+        tl.store(oref_ptr + e * D + dd, acc)
+        tl.store(out_ptr + e * D + dd, acc.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(cref_ptr + (e - R) * D + dd, acc)
+        tl.store(mass_ptr + (e - R), msum)
 
 
 @triton.jit
@@ -339,6 +356,7 @@ def _correction_kernel(
 ):
     row = tl.program_id(0)
     pid_s = tl.program_id(1)
+    scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     t = row % T
     h = (row // T) % HQ
     b = (row // (T * HQ)).to(tl.int64)
@@ -359,7 +377,7 @@ def _correction_kernel(
         j_ok = j < end
         idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
         kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(kt * q[None, :], 1) * scale
+        s = tl.sum(kt * q[None, :], 1) * scale_f
         s = tl.where(j_ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
@@ -369,7 +387,7 @@ def _correction_kernel(
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
     if FINAL:
-        local = tl.where(l_i > 0.0, acc / l_i, 0.0)
+        local = tl.where(l_i > 0.0, acc / tl.maximum(l_i, 1e-30), 0.0)
         o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
         tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
     else:
@@ -397,10 +415,10 @@ def _correction_combine_kernel(
     pl = tl.load(pl_ptr + row64 * SPLIT + sp, mask=sp_ok, other=0.0)
     pacc = tl.load(pacc_ptr + (row64 * SPLIT + sp[:, None]) * D + dd[None, :], mask=sp_ok[:, None], other=0.0)
     m = tl.max(pm, 0)
-    w = tl.where(pm > float("-inf"), tl.exp(pm - m), 0.0)
+    w = tl.exp(pm - tl.where(m > float("-inf"), m, 0.0))
     l = tl.sum(pl * w, 0)
     acc = tl.sum(pacc * w[:, None], 0)
-    local = tl.where(l > 0.0, acc / l, 0.0)
+    local = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
     o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
     tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
 
@@ -415,20 +433,25 @@ class KernelConfig:
     """Tile sizes and split targets. ``None`` splits are chosen from the SM count."""
 
     block_n: int = 64  # keys per tile in the scores / PV kernels
-    block_sel: int = 2048  # keys per tile in the selection kernels
+    block_sel: int = 2048  # keys per tile in the selection (histogram) kernels
+    block_compact: int = 1024  # keys per tile in the compaction kernel (divides block_sel)
     block_k: int = 64  # selected keys per tile in the correction kernel
-    min_sel_chunk: int = 4096  # fewest keys one selection program handles
+    min_sel_chunk: int = 2048  # fewest keys one selection program handles
     split_kv: int | None = None  # splits of S for the scores / PV kernels
     split_sel: int | None = None  # programs per row in the selection kernels
     split_corr: int | None = None  # splits of the selected set in the correction kernel
     num_warps_kv: int = 4
     num_stages_kv: int = 3
+    block_n_pv: int | None = 32  # keys per tile in the PV kernel (None: block_n)
+    num_warps_pv: int = 4
+    num_stages_pv: int = 4
     num_warps_sel: int = 8
+    num_warps_compact: int = 4
     num_warps_corr: int = 4
 
 
 DEFAULT_CONFIG = KernelConfig()
-INTERPRETER_CONFIG = KernelConfig(block_n=16, block_sel=64, block_k=16, min_sel_chunk=64)
+INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64)
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -455,6 +478,14 @@ def _split(total: int, block: int, want: int) -> tuple[int, int]:
     want = max(1, min(int(want), _cdiv(total, block)))
     chunk = _cdiv(_cdiv(total, want), block) * block
     return chunk, _cdiv(total, chunk)
+
+
+def _check_runnable(device: torch.device) -> None:
+    interpreted = type(_scores_kernel).__name__ == "InterpretedFunction"
+    if device.type == "cuda" and interpreted:
+        raise RuntimeError("TRITON_INTERPRET=1 was set when triton was imported: these kernels are interpreted, not compiled for CUDA")
+    if device.type != "cuda" and not interpreted:
+        raise RuntimeError(f"Triton kernels on {device.type} tensors need TRITON_INTERPRET=1 set before triton is imported")
 
 
 class _Launcher:
@@ -495,6 +526,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     from flashloop_compile.lowering.ops import key_counts
 
     launch = _Launcher(wrap)
+    _check_runnable(q.device)
     cfg = _config_for(q.device, config)
     dev = q.device
     b, hq, t, d = q.shape
@@ -508,33 +540,36 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     upcast = dev.type != "cuda"  # the interpreter cannot run bf16 dots
     precision = _dot_precision(q.dtype)
 
-    mask_full = mask.expand(b, hq, t, s)
-    mask_u8 = mask_full.view(torch.uint8)
-    visible = mask_full.sum(-1)
-    count = torch.stack([key_counts(fr, visible) for fr in fractions])  # [F, B, Hq, T]
-    kk = torch.stack([count[i].clamp_max(int(cap)) for i, cap in enumerate(capacities)]).reshape(f, rows).contiguous()
+    mask_full = mask.expand(b, hq, t, s)  # broadcast dims get stride 0; the kernel reads the strides
+    visible = mask.sum(-1, dtype=torch.int32).expand(b, hq, t)  # summed before broadcasting
+    if f == 1:  # (no stack copies for the common case)
+        count = key_counts(fractions[0], visible).contiguous()[None]  # [F, B, Hq, T]
+        kk = count.clamp_max(int(capacities[0])).view(1, rows)
+    else:
+        count = torch.stack([key_counts(fr, visible) for fr in fractions])
+        kk = torch.stack([count[i].clamp_max(int(cap)) for i, cap in enumerate(capacities)]).view(f, rows)
 
     # 1. scores + softmax partials (one read of K)
     block_m = max(16, _next_pow2(min(m_group, 64)))
     m_chunks = _cdiv(m_group, block_m)
-    want = cfg.split_kv or _cdiv(4 * n_sm, b * hkv * m_chunks)
+    want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * m_chunks))
     chunk_a, split_a = _split(s, cfg.block_n, want)
     probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
     part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
     launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
-        q, k, mask_u8, probs, part_m, part_l,
+        q, k, mask_full, probs, part_m, part_l,
         s, hkv, m_group, float(scale),
-        *q.stride(), *k.stride(), *mask_u8.stride(),
+        *q.stride(), *k.stride(), *mask_full.stride(),
         chunk_a, split_a,
         G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps_kv, num_stages=cfg.num_stages_kv,
+        num_warps=cfg.num_warps_kv * (2 if block_m * d >= 64 * 128 else 1), num_stages=cfg.num_stages_kv,
     )
 
     # 2. radix select (probabilities written in place of the scores)
     digits = _radix_digits()
     nb = 1 << RADIX_BITS
-    want = cfg.split_sel or min(_cdiv(2 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
+    want = cfg.split_sel or min(_cdiv(4 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
     chunk_b, split_b = _split(s, cfg.block_sel, want)
     hist0 = torch.empty(rows, split_b, nb, dtype=torch.int32, device=dev)
     launch(_select_first_kernel, (rows, split_b))(
@@ -543,7 +578,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         SPLIT_A_P2=_next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
         num_warps=cfg.num_warps_sel,
     )
-    above = torch.zeros(f, rows, split_b, dtype=torch.int32, device=dev)
+    above = torch.empty(f, rows, split_b, dtype=torch.int32, device=dev)  # written by the first level
     hprev, pre_prev, rnk_prev = hist0, kk, kk  # pre/rnk unused at the first level
     for level in range(1, len(digits)):
         hcur = torch.empty(f, rows, split_b, nb, dtype=torch.int32, device=dev)
@@ -560,20 +595,21 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         hprev, pre_prev, rnk_prev = hcur, pre_cur, rnk_cur
     keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
     thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
-    cut = torch.full((f, rows), -1, dtype=torch.int32, device=dev)
+    cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
     launch(_select_compact_kernel, (rows, split_b))(
         probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut,
         s, rows, f, chunk_b, split_b, kmax,
-        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=cfg.block_sel,
-        num_warps=cfg.num_warps_sel,
+        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=min(cfg.block_compact, cfg.block_sel),
+        num_warps=cfg.num_warps_compact,
     )
 
     # 3. O_ref, C_ref and mass in one pass over V, then the split combine
     e_group = (f + 1) * m_group
     block_e = max(16, _next_pow2(min(e_group, 64)))
     e_chunks = _cdiv(e_group, block_e)
-    want = cfg.split_kv or _cdiv(4 * n_sm, b * hkv * e_chunks)
-    chunk_c, split_c = _split(s, cfg.block_n, want)
+    want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * e_chunks))
+    block_n_pv = cfg.block_n_pv or cfg.block_n
+    chunk_c, split_c = _split(s, block_n_pv, want)
     e_total = (f + 1) * rows
     part_o = torch.empty(split_c, e_total, d, dtype=torch.float32, device=dev)
     part_mass = torch.empty(split_c, e_total, dtype=torch.float32, device=dev)
@@ -582,18 +618,17 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         s, hkv, rows, m_group, e_group, e_total,
         *v.stride(),
         chunk_c,
-        D=d, BLOCK_E=block_e, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32x3",
-        num_warps=cfg.num_warps_kv, num_stages=cfg.num_stages_kv,
+        D=d, BLOCK_E=block_e, BLOCK_N=block_n_pv, SPLIT_P_BF16=v.dtype == torch.bfloat16 and not upcast,
+        num_warps=cfg.num_warps_pv * (2 if block_e * d >= 64 * 128 else 1), num_stages=cfg.num_stages_pv,
     )
     out = q.new_empty(b, hq, t, d)
     o_ref = torch.empty(b, hq, t, d, dtype=torch.float32, device=dev)
     c_ref = torch.empty(f, b, hq, t, d, dtype=torch.float32, device=dev)
     mass = torch.empty(f, b, hq, t, dtype=torch.float32, device=dev)
-    block_e2 = 16
-    launch(_pv_combine_kernel, (_cdiv(e_total, block_e2),))(
+    launch(_pv_combine_kernel, (e_total,))(
         part_o, part_mass, out, o_ref, c_ref, mass,
         rows, e_total, split_c,
-        D=d, BLOCK_E=block_e2,
+        D=d, SPLIT_P2=_next_pow2(split_c),
         num_warps=4,
     )
     return out, keys, count, mass, o_ref, c_ref
@@ -602,6 +637,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
 def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, *, wrap: bool = False, config: KernelConfig | None = None):
     """Triton body of ``flashloop::correction_attention``; same output as the ATen body."""
     launch = _Launcher(wrap)
+    _check_runnable(q.device)
     cfg = _config_for(q.device, config)
     dev = q.device
     b, hq, t, d = q.shape

@@ -1,0 +1,220 @@
+"""Decode-step attention over the packed KV cache vs dense SDPA over a BF16 cache (CUDA only).
+
+    python benchmarks/bench_packed_decode.py [--batch 1 4] [--seq 8192 32768] [--depths 0 1 3]
+                                             [--repeats 50] [--warmup 10]
+
+For each (B, S): a cache (1 layer, R=4 loops, H=16 kv heads = query heads, D=128, bf16) is
+filled with an S-1 token prompt (depths 0 and 1 dense, depths 2 and 3 for nested random 25% and
+10% subsets, as token-sparse prefill leaves them) and one decode token at every depth; then one
+query at position S-1 attends at depth 0, 1, 3 (S-1 stored keys read from the packed tiles + the
+in-flight key). Dense: ``scaled_dot_product_attention`` over a BF16 [B, 16, S, 128] cache.
+
+Self-check first: the CUDA op against the ATen body on the same tensors (atol/rtol 1e-2).
+Timing: CUDA events around each call, L2 flushed before every repeat, median (and p10/p90) of
+``--repeats`` (>= 20) after ``--warmup`` calls; eager launches, and the same call replayed from a
+CUDA graph (what a captured decode step pays). Bandwidth: bytes the kernel must read from memory
+(codes, fp16 parameters once per group, position->row maps and depth counts once per request,
+the BF16 ring, the in-flight key) vs K+V of the dense cache. JSON to $OUT (or ./out) as
+packed_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+
+import torch
+
+from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.runtime import PackedKVCache
+
+H, D, R = 16, 128, 4
+DT = torch.bfloat16
+
+
+def fill_cache(B: int, S: int, seed: int = 0) -> tuple[PackedKVCache, list]:
+    """Prompt of S-1 tokens per row (sparse depths 2, 3), then one decode token at every depth.
+    Returns the cache and, per depth, the decode token's (k, v, positions)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cache = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    n = S - 1
+    pos_all = torch.arange(n, device="cuda")[None].repeat(B, 1)
+    active = torch.ones(B, n, dtype=torch.bool, device="cuda")
+    k = torch.randn(B, H, n, D, device="cuda", generator=g, dtype=DT)
+    v = torch.randn(B, H, n, D, device="cuda", generator=g, dtype=DT)
+    for d in range(R):
+        if d >= 2:
+            keep = 0.25 if d == 2 else 0.4  # 25% of the prompt, then 40% of those = 10%
+            r = torch.rand(B, n, device="cuda", generator=g)
+            active = active & (r < keep)
+        if d:
+            k = k + (0.05 * torch.randn(k.shape, device="cuda", generator=g)).to(DT)
+            v = v + (0.05 * torch.randn(v.shape, device="cuda", generator=g)).to(DT)
+        # pack each row's active tokens to the front (ascending), pad with -1
+        cnt = active.sum(1)
+        T = int(cnt.max())
+        order = torch.sort(torch.where(active, pos_all, n + pos_all), dim=1).indices[:, :T]
+        pos = torch.gather(pos_all, 1, order)
+        pos = torch.where(torch.arange(T, device="cuda")[None] < cnt[:, None], pos, -1)
+        idx = order[:, None, :, None].expand(B, H, T, D)
+        P.packed_kv_write(cache, 0, torch.gather(k, 2, idx).contiguous(), torch.gather(v, 2, idx).contiguous(), pos, d)
+    step = []
+    for d in range(R):
+        kd = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
+        vd = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
+        pd = torch.full((B, 1), n, dtype=torch.long, device="cuda")
+        P.packed_kv_write(cache, 0, kd, vd, pd, d)
+        step.append((kd, vd, pd))
+    torch.cuda.synchronize()
+    cache.check_overflow()
+    return cache, step
+
+
+def packed_bytes(cache: PackedKVCache, B: int, p0: int, depth: int) -> int:
+    """Bytes a decode step at ``depth`` must read for keys 0..p0-1 (+1 in-flight key, q, out)."""
+    lay = cache.layers[0]
+    G, NG = cache.group_size, cache.head_dim // cache.group_size
+    total = 0
+    pos = torch.arange(p0, device="cuda")
+    for b in range(B):
+        dc = cache.depth_count[b, :p0].long()
+        e = torch.clamp(torch.minimum(dc - 1, torch.full_like(dc, depth)), min=0)
+        fl = lay.flushed[b].long()[e]
+        packed = pos < fl
+        n_packed = int(packed.sum())
+        n_ring = p0 - n_packed
+        per_head = n_packed * (D + 2 * 2 * NG)  # K+V codes, V min/scale per token
+        per_head += int(packed.view(-1)[: (p0 // G) * G].view(-1, G).any(1).sum() + (p0 % G > 0)) * D * 2 * 2  # K min/scale per block
+        per_head += n_ring * D * 2 * 2  # ring K+V
+        maps = p0 * 1 + 2 * R * 4  # depth_count, flushed
+        for j in range(1, depth + 1):
+            rows = cache.rows[j - 1, b, :p0]
+            has = packed & (rows >= 0) & (j <= e)
+            maps += p0 * 4  # rows map of depth j
+            nres = int(has.sum())
+            blocks = int(has.view(-1)[: (p0 // G) * G].view(-1, G).any(1).sum()) if p0 >= G else 0
+            per_head += nres * (D + 2 * 2 * NG) + blocks * D * 2 * 2
+        total += per_head * H + maps
+    total += B * H * 1 * D * 2 * 2  # in-flight key
+    total += 2 * B * H * D * 2  # q and out
+    return total
+
+
+def flush_l2(buf: torch.Tensor) -> None:
+    buf.zero_()
+
+
+def time_calls(fn, repeats: int, warmup: int, l2: torch.Tensor) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        flush_l2(l2)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def graph_of(fn):
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph.replay
+
+
+def stats(times: list[float]) -> dict:
+    qs = statistics.quantiles(times, n=10)
+    return {"median_ms": statistics.median(times), "p10_ms": qs[0], "p90_ms": qs[-1], "n": len(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--seq", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--depths", type=int, nargs="+", default=[0, 1, 3])
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_packed_decode needs a CUDA device")
+    if args.repeats < 20:
+        raise SystemExit("--repeats must be >= 20")
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    l2 = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    records = []
+    for S in args.seq:
+        for B in args.batch:
+            cache, step = fill_cache(B, S)
+            n = S - 1
+            g = torch.Generator(device="cuda").manual_seed(1)
+            q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
+            dense_k = torch.randn(B, H, S, D, device="cuda", generator=g, dtype=DT)
+            dense_v = torch.randn(B, H, S, D, device="cuda", generator=g, dtype=DT)
+            scale = 1.0 / math.sqrt(D)
+            dense = lambda: torch.nn.functional.scaled_dot_product_attention(q, dense_k, dense_v, scale=scale)  # noqa: E731
+            dense_eager = time_calls(dense, args.repeats, args.warmup, l2)
+            dense_graph = time_calls(graph_of(dense), args.repeats, args.warmup, l2)
+            dense_bytes = 2 * B * H * S * D * 2 + 2 * B * H * D * 2
+            splits = args.splits if args.splits is not None else K.decode_splits(B, H, 1, S, 64, q.device)
+            for depth in args.depths:
+                kd, vd, pd = step[depth]
+                tensors = cache.op_tensors(0)
+
+                def packed(kd=kd, vd=vd, pd=pd, depth=depth, tensors=tensors):
+                    out = torch.empty_like(q)
+                    K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, num_splits=splits)
+                    return out
+
+                ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
+                got = P.packed_attention(cache, 0, q, kd, vd, pd, pd, depth, scale)
+                torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
+                torch.testing.assert_close(packed().float(), ref.float(), atol=1e-2, rtol=1e-2)
+                eager = time_calls(packed, args.repeats, args.warmup, l2)
+                op_eager = time_calls(lambda kd=kd, vd=vd, pd=pd, depth=depth: P.packed_attention(cache, 0, q, kd, vd, pd, pd, depth, scale),
+                                      args.repeats, args.warmup, l2)
+                graph = time_calls(graph_of(packed), args.repeats, args.warmup, l2)
+                nbytes = packed_bytes(cache, B, n, depth)
+                rec = {
+                    "batch": B, "seq": S, "depth": depth, "kv_heads": H, "head_dim": D, "num_splits": splits,
+                    "packed_launcher_eager": stats(eager), "packed_op_eager": stats(op_eager), "packed_graph": stats(graph),
+                    "dense_sdpa_eager": stats(dense_eager), "dense_sdpa_graph": stats(dense_graph),
+                    "packed_bytes": nbytes, "dense_bytes": dense_bytes,
+                    "packed_GBps_graph": nbytes / (statistics.median(graph) * 1e-3) / 1e9,
+                    "dense_GBps_graph": dense_bytes / (statistics.median(dense_graph) * 1e-3) / 1e9,
+                    "speedup_graph": statistics.median(dense_graph) / statistics.median(graph),
+                    "cache_nbytes": cache.nbytes().as_dict(),
+                }
+                records.append(rec)
+                print(
+                    f"B={B} S={S} depth={depth}: packed {rec['packed_graph']['median_ms'] * 1e3:.1f} us "
+                    f"({rec['packed_GBps_graph']:.0f} GB/s of {nbytes / 1e6:.1f} MB), dense SDPA "
+                    f"{rec['dense_sdpa_graph']['median_ms'] * 1e3:.1f} us ({rec['dense_GBps_graph']:.0f} GB/s of "
+                    f"{dense_bytes / 1e6:.1f} MB); eager op {rec['packed_op_eager']['median_ms'] * 1e3:.1f} us",
+                    flush=True,
+                )
+            del cache, dense_k, dense_v
+            torch.cuda.empty_cache()
+    path = os.path.join(out_dir, "packed_decode.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "records": records}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

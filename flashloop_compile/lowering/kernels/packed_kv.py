@@ -1,0 +1,742 @@
+"""Triton kernels for the packed KV cache (DESIGN.md "Packed KV storage").
+
+Launchers take the cache tensors in :data:`flashloop_compile.runtime.packed_kv.LAYER_TENSOR_NAMES`
++ ``MODEL_TENSOR_NAMES`` order and a ``wrap`` callable applied to each kernel before launch
+(``torch.library.wrap_triton`` inside ``triton_op`` bodies, identity otherwise: then the kernels
+also run on CPU tensors under ``TRITON_INTERPRET=1``). Launchers never sync with the host: grids
+and compile-time constants come from static shapes, everything data dependent is read on device.
+
+Layout conventions (all cache tensors contiguous): a D-channel vector is handled as two halves of
+D/2 "pairs" -- pair i holds channels 2i (low nibble, "even") and 2i+1 (high nibble, "odd") -- so a
+row of packed codes is loaded once as [*, D/2] bytes and never interleaved in registers.
+
+Kernels:
+- ``_write_flush_kernel`` [B, H]: quantize the whole G-token blocks a write moves out of the tail
+  window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1); values
+  of earlier calls come from the ring, values of this call from k/v (found by binary search in the
+  call's positions). Writes the position -> row map (h == 0) and the new counters to a scratch.
+- ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
+  ring; depth_count and the counters are committed (separate launch: the flush must read the ring
+  before it is overwritten).
+- ``_read_kernel`` [B, H, tiles of P]: logical values at given positions (resolution rule).
+- ``_attn_kernel`` [B*H, splits, query tiles] + ``_combine_kernel``: causal attention over the
+  packed store (positions < P0) and the in-flight keys; split-K partials (flash-decoding) for
+  decode, a fused single pass for prefill chunks.
+
+Quantization matches :mod:`flashloop_compile.reference.codec` bit for bit: FP32 min/max,
+scale = fp16((max - min) / 15) with a correctly rounded division (``div_rn``), codes =
+clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (round-half-even written out),
+constant groups scale 0 / codes 0; decode min + scale * code in FP32 (scale * code is exact, so
+an FMA contraction cannot change it). Compute-dtype outputs are rounded to nearest even
+explicitly (the interpreter truncates float32 -> bfloat16).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "launch_packed_kv_write",
+    "launch_packed_read",
+    "launch_packed_attention",
+    "stored_end",
+    "decode_splits",
+]
+
+_CDTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _identity(kernel):
+    return kernel
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# ------------------------------------------------------------------------------------------------
+# device helpers
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_to(x, CD: tl.constexpr):
+    """FP32 -> nearest-even value of the compute dtype (returned as FP32, exactly representable)."""
+    if CD == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    elif CD == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _codes(x, mn, sc):
+    """INT4 codes (int32) of x (fp32) against fp16 parameters (broadcastable)."""
+    m32 = mn.to(tl.float32)
+    s32 = sc.to(tl.float32)
+    pos = s32 > 0.0
+    safe = tl.where(pos, s32, 1.0)
+    q = tl.math.div_rn(x - m32, safe)
+    f = tl.floor(q)
+    diff = q - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    r = tl.where((diff > 0.5) | ((diff == 0.5) & odd), f + 1.0, f)
+    r = tl.minimum(tl.maximum(r, 0.0), 15.0)
+    return tl.where(pos, r, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _params(lo, hi):
+    """fp16 (minimum, scale) of groups with fp32 extrema lo, hi."""
+    fifteen = tl.full(lo.shape, 15.0, tl.float32)
+    return lo.to(tl.float16), tl.math.div_rn(hi - lo, fifteen).to(tl.float16)
+
+
+@triton.jit
+def _reconstruct(
+    p, pmask, b, h, r,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, PAIR0: tl.constexpr, NP: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    """Logical K/V (fp32, even and odd channel halves [BP, NP]) at depth r of positions p [BP]
+    (rows with pmask False read as 0) for pairs PAIR0..PAIR0+NP-1, and which rows hold a written
+    token. e = min(r, depth_count - 1); p < flushed[e]: base + residuals 1..e present; otherwise
+    the ring at depth e. ALIGNED: every p lies in the block of p[0] (K parameters loaded once).
+
+    b, h are int64 scalars; per-(b, h) bases are applied to the pointers as scalars so that tile
+    offsets stay int32 (fewer registers)."""
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    RING: tl.constexpr = 2 * G
+    pc = tl.where(pmask, p, 0).to(tl.int32)
+    bh = b * H + h
+    dc = tl.load(depth_count + b * S + pc, mask=pmask, other=0).to(tl.int32)
+    valid = pmask & (dc > 0)
+    e = tl.maximum(tl.minimum(dc - 1, r), 0)
+    fl = tl.load(flushed + b * R + e, mask=valid, other=0)
+    packed = valid & (pc < fl)
+    ring = valid & (pc >= fl)
+    i = PAIR0 + tl.arange(0, NP)
+    imask = i < HD
+    m2 = packed[:, None] & imask[None, :]
+    if ALIGNED:
+        blk = tl.max(pc, 0) // G  # masked rows read position 0: the max is in the block
+        kp = (blk * D + 2 * i)[None, :]
+        km = (tl.sum(packed.to(tl.int32), 0) > 0) & imask[None, :]
+    else:
+        blk = pc // G
+        kp = blk[:, None] * D + 2 * i[None, :]
+        km = m2
+
+    kb_min = k_base_min + bh * NB * D
+    kb_scale = k_base_scale + bh * NB * D
+    c = tl.load(k_base + bh * S * HD + pc[:, None] * HD + i[None, :], mask=m2, other=0).to(tl.int32)
+    ke = tl.load(kb_min + kp, mask=km, other=0.0).to(tl.float32) + tl.load(kb_scale + kp, mask=km, other=0.0).to(
+        tl.float32
+    ) * (c & 15).to(tl.float32)
+    ko = tl.load(kb_min + kp + 1, mask=km, other=0.0).to(tl.float32) + tl.load(kb_scale + kp + 1, mask=km, other=0.0).to(
+        tl.float32
+    ) * (c >> 4).to(tl.float32)
+    c = tl.load(v_base + bh * S * HD + pc[:, None] * HD + i[None, :], mask=m2, other=0).to(tl.int32)
+    vp = pc[:, None] * NG + (i // (G // 2))[None, :]
+    vmn = tl.load(v_base_min + bh * S * NG + vp, mask=m2, other=0.0).to(tl.float32)
+    vsc = tl.load(v_base_scale + bh * S * NG + vp, mask=m2, other=0.0).to(tl.float32)
+    ve = vmn + vsc * (c & 15).to(tl.float32)
+    vo = vmn + vsc * (c >> 4).to(tl.float32)
+
+    j = tl.full([], 1, tl.int32)
+    while j <= r:
+        rj = tl.load(rows + ((j - 1) * B + b) * S + pc, mask=packed, other=-1)
+        has = packed & (rj >= 0) & (j <= e)
+        if tl.sum(has.to(tl.int32), 0) > 0:
+            off = tl.load(res_layout + j)
+            grow = tl.where(has, off + rj, 0)
+            h2 = has[:, None] & imask[None, :]
+            if ALIGNED:
+                hk = (tl.sum(has.to(tl.int32), 0) > 0) & imask[None, :]
+            else:
+                hk = h2
+            kr_min = k_res_min + (((j - 1) * B + b) * H + h) * NB * D
+            kr_scale = k_res_scale + (((j - 1) * B + b) * H + h) * NB * D
+            c = tl.load(k_res + bh * CAPT * HD + grow[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+            de = tl.load(kr_min + kp, mask=hk, other=0.0).to(tl.float32) + tl.load(kr_scale + kp, mask=hk, other=0.0).to(
+                tl.float32
+            ) * (c & 15).to(tl.float32)
+            do = tl.load(kr_min + kp + 1, mask=hk, other=0.0).to(tl.float32) + tl.load(
+                kr_scale + kp + 1, mask=hk, other=0.0
+            ).to(tl.float32) * (c >> 4).to(tl.float32)
+            ke = tl.where(h2, ke + de, ke)
+            ko = tl.where(h2, ko + do, ko)
+            c = tl.load(v_res + bh * CAPT * HD + grow[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+            vp = grow[:, None] * NG + (i // (G // 2))[None, :]
+            vmn = tl.load(v_res_min + bh * CAPT * NG + vp, mask=h2, other=0.0).to(tl.float32)
+            vsc = tl.load(v_res_scale + bh * CAPT * NG + vp, mask=h2, other=0.0).to(tl.float32)
+            ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+            vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+        j += 1
+
+    if tl.sum(ring.to(tl.int32), 0) > 0:
+        r2 = ring[:, None] & imask[None, :]
+        tb = (b * R * H + h) * RING * D
+        tp = ((e * H) * RING + pc % RING)[:, None] * D + 2 * i[None, :]
+        ke = tl.where(r2, tl.load(k_tail + tb + tp, mask=r2, other=0.0).to(tl.float32), ke)
+        ko = tl.where(r2, tl.load(k_tail + tb + tp + 1, mask=r2, other=0.0).to(tl.float32), ko)
+        ve = tl.where(r2, tl.load(v_tail + tb + tp, mask=r2, other=0.0).to(tl.float32), ve)
+        vo = tl.where(r2, tl.load(v_tail + tb + tp + 1, mask=r2, other=0.0).to(tl.float32), vo)
+    return ke, ko, ve, vo, valid
+
+
+# ------------------------------------------------------------------------------------------------
+# write
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+def _write_flush_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
+    k, v, positions, skey, scratch,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
+    Tn, depth, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr,
+):
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    HG: tl.constexpr = G // 2
+    RING: tl.constexpr = 2 * G
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    bh = b * H + h
+    F = tl.load(flushed + b * R + depth)
+    if depth == 0:
+        # length of the row = max valid position + 1 of this call
+        lmax = tl.full([BT], -1, tl.int64)
+        t0 = 0
+        while t0 < Tn:
+            t = t0 + tl.arange(0, BT)
+            pt = tl.load(positions + b * sp_b + t * sp_t, mask=t < Tn, other=-1)
+            lmax = tl.maximum(lmax, pt)
+            t0 += BT
+        L = tl.max(lmax, 0) + 1
+        target = tl.where(L >= G, ((L - G) // G) * G, 0).to(tl.int32)
+    else:
+        # up to where the previous depth stands (depth 0 set it from the row's full length)
+        target = tl.load(flushed + b * R + depth - 1)
+    T_new = tl.minimum(tl.maximum(F, target), S)
+    row = tl.load(row_count + b * R + depth)
+    off = tl.load(res_layout + depth)
+    cap = tl.load(res_layout + R + depth)
+
+    s = F
+    while s < T_new:
+        p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
+        # lower bound of p in this row's running-max positions (non-decreasing)
+        lo = tl.zeros([G], tl.int64)
+        hi = tl.zeros([G], tl.int64) + Tn
+        for _ in tl.static_range(NSEARCH):
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
+            right = open_ & (kv < p)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(open_ & (kv >= p), mid, hi)
+        inb = lo < Tn
+        idx = tl.where(inb, lo, 0)
+        cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
+        in_call = inb & (cp == p)
+        if depth == 0:
+            act = p >= 0
+        else:
+            dcv = tl.load(depth_count + b * S + p).to(tl.int32)
+            act = in_call | (dcv > depth)
+        n_act = tl.sum(act.to(tl.int32), 0)
+        if n_act > 0:
+            local = row + tl.cumsum(act.to(tl.int32), 0) - 1
+            fits = act & (local < cap)
+            if depth > 0:
+                tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
+                tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
+            grow = tl.where(fits, off + local, 0).to(tl.int64)
+            blk = s // G
+            for g in tl.static_range(NG):
+                i = g * HG + tl.arange(0, HG)
+                mc = (in_call & act)[:, None]
+                mr = ((in_call == 0) & act)[:, None]
+                kc = (b * sk_b + h * sk_h + idx * sk_t)[:, None] + (2 * i)[None, :] * sk_d
+                vc = (b * sv_b + h * sv_h + idx * sv_t)[:, None] + (2 * i)[None, :] * sv_d
+                tp = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D + 2 * i[None, :]
+                xke = tl.where(mc, tl.load(k + kc, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(k_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                xko = tl.where(mc, tl.load(k + kc + sk_d, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(k_tail + tp + 1, mask=mr, other=0.0).to(tl.float32))
+                xve = tl.where(mc, tl.load(v + vc, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(v_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                xvo = tl.where(mc, tl.load(v + vc + sv_d, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(v_tail + tp + 1, mask=mr, other=0.0).to(tl.float32))
+                if depth > 0:
+                    rke, rko, rve, rvo, _ok = _reconstruct(
+                        p, act, b, h, depth - 1,
+                        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                        B, H, S, NB, CAPT, R, D, G, g * HG, HG, True,
+                    )
+                    xke = xke - rke
+                    xko = xko - rko
+                    xve = xve - rve
+                    xvo = xvo - rvo
+                am = act[:, None]
+                # K: one group per channel over the block's (active) rows
+                mne, sce = _params(tl.min(tl.where(am, xke, float("inf")), 0), tl.max(tl.where(am, xke, float("-inf")), 0))
+                mno, sco = _params(tl.min(tl.where(am, xko, float("inf")), 0), tl.max(tl.where(am, xko, float("-inf")), 0))
+                kbyte = (_codes(xke, mne[None, :], sce[None, :]) | (_codes(xko, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
+                # V: one group per row over these G channels
+                vlo = tl.minimum(tl.min(xve, 1), tl.min(xvo, 1))
+                vhi = tl.maximum(tl.max(xve, 1), tl.max(xvo, 1))
+                vmn, vsc = _params(vlo, vhi)
+                vbyte = (_codes(xve, vmn[:, None], vsc[:, None]) | (_codes(xvo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                if depth == 0:
+                    kpp = (bh * NB + blk) * D + 2 * i
+                    tl.store(k_base_min + kpp, mne)
+                    tl.store(k_base_scale + kpp, sce)
+                    tl.store(k_base_min + kpp + 1, mno)
+                    tl.store(k_base_scale + kpp + 1, sco)
+                    cpos = (bh * S + p)[:, None] * HD + i[None, :]
+                    tl.store(k_base + cpos, kbyte)
+                    tl.store(v_base + cpos, vbyte)
+                    vpp = (bh * S + p) * NG + g
+                    tl.store(v_base_min + vpp, vmn)
+                    tl.store(v_base_scale + vpp, vsc)
+                else:
+                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
+                    tl.store(k_res_min + kpp, mne)
+                    tl.store(k_res_scale + kpp, sce)
+                    tl.store(k_res_min + kpp + 1, mno)
+                    tl.store(k_res_scale + kpp + 1, sco)
+                    fm = fits[:, None]
+                    cpos = (bh * CAPT + grow)[:, None] * HD + i[None, :]
+                    tl.store(k_res + cpos, kbyte, mask=fm)
+                    tl.store(v_res + cpos, vbyte, mask=fm)
+                    vpp = (bh * CAPT + grow) * NG + g
+                    tl.store(v_res_min + vpp, vmn, mask=fits)
+                    tl.store(v_res_scale + vpp, vsc, mask=fits)
+            row += n_act
+        s += G
+    if h == 0:
+        tl.store(scratch + b * 2, T_new)
+        tl.store(scratch + b * 2 + 1, row)
+
+
+@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+def _write_tail_kernel(
+    k_tail, v_tail, flushed, row_count, depth_count,
+    k, v, positions, scratch,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
+    Tn, depth, H, S, R,
+    D: tl.constexpr, G: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
+):
+    RING: tl.constexpr = 2 * G
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    tb = tl.program_id(2)
+    T_new = tl.load(scratch + b * 2)
+    t = tb * BT + tl.arange(0, BT)
+    tm = t < Tn
+    p = tl.load(positions + b * sp_b + t * sp_t, mask=tm, other=-1)
+    valid = tm & (p >= 0)
+    pc = tl.where(valid, p, 0)
+    keep = valid & (pc >= T_new)
+    c = tl.arange(0, DP)
+    m2 = keep[:, None] & (c < D)[None, :]
+    dst = (((b * R + depth) * H + h) * RING + pc % RING)[:, None] * D + c[None, :]
+    xk = tl.load(k + (b * sk_b + h * sk_h + t * sk_t)[:, None] + c[None, :] * sk_d, mask=m2, other=0.0)
+    tl.store(k_tail + dst, xk, mask=m2)
+    xv = tl.load(v + (b * sv_b + h * sv_h + t * sv_t)[:, None] + c[None, :] * sv_d, mask=m2, other=0.0)
+    tl.store(v_tail + dst, xv, mask=m2)
+    if h == 0:
+        tl.store(depth_count + b * S + pc, (tl.zeros([BT], tl.int32) + (depth + 1)).to(tl.uint8), mask=valid)
+        if tb == 0:
+            tl.store(flushed + b * R + depth, T_new)
+            tl.store(row_count + b * R + depth, tl.load(scratch + b * 2 + 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# read
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+def _read_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    positions, out_k, out_v,
+    sp_b, sp_t, P, depth, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2) * BP + tl.arange(0, BP)
+    tm = t < P
+    p = tl.load(positions + b * sp_b + t * sp_t, mask=tm, other=-1)
+    pm = tm & (p >= 0) & (p < S)
+    ke, ko, ve, vo, _ok = _reconstruct(
+        p, pm, b, h, depth,
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        B, H, S, NB, CAPT, R, D, G, 0, NP, False,
+    )
+    i = tl.arange(0, NP)
+    m2 = tm[:, None] & (i < D // 2)[None, :]
+    o = ((b * H + h) * P + t)[:, None] * D + 2 * i[None, :]
+    ty = out_k.dtype.element_ty
+    tl.store(out_k + o, _round_to(ke, CD).to(ty), mask=m2)
+    tl.store(out_k + o + 1, _round_to(ko, CD).to(ty), mask=m2)
+    tl.store(out_v + o, _round_to(ve, CD).to(ty), mask=m2)
+    tl.store(out_v + o + 1, _round_to(vo, CD).to(ty), mask=m2)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale,
+            USE_DOT: tl.constexpr, DOT_T: tl.constexpr):
+    """One online-softmax step over a key tile (keys already rounded to the compute dtype)."""
+    if USE_DOT:
+        if DOT_T == 1:
+            s = tl.dot(qe.to(tl.bfloat16), tl.trans(ke.to(tl.bfloat16))) + tl.dot(qo.to(tl.bfloat16), tl.trans(ko.to(tl.bfloat16)))
+        elif DOT_T == 2:
+            s = tl.dot(qe.to(tl.float16), tl.trans(ke.to(tl.float16))) + tl.dot(qo.to(tl.float16), tl.trans(ko.to(tl.float16)))
+        else:
+            s = tl.dot(qe, tl.trans(ke), input_precision="ieee") + tl.dot(qo, tl.trans(ko), input_precision="ieee")
+    else:
+        s = (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1))[None, :]
+    s = s * scale
+    vis = kvalid[None, :] & qvalid[:, None] & (kpos[None, :] <= qpos[:, None])
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    pr = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    if USE_DOT:
+        if DOT_T == 1:
+            pb = pr.to(tl.bfloat16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pb, ve.to(tl.bfloat16))
+            acc_o = acc_o * alpha[:, None] + tl.dot(pb, vo.to(tl.bfloat16))
+        elif DOT_T == 2:
+            pb = pr.to(tl.float16)
+            acc_e = acc_e * alpha[:, None] + tl.dot(pb, ve.to(tl.float16))
+            acc_o = acc_o * alpha[:, None] + tl.dot(pb, vo.to(tl.float16))
+        else:
+            acc_e = acc_e * alpha[:, None] + tl.dot(pr, ve, input_precision="ieee")
+            acc_o = acc_o * alpha[:, None] + tl.dot(pr, vo, input_precision="ieee")
+    else:
+        pc = tl.trans(pr)  # [BN, 1]
+        acc_e = acc_e * alpha[:, None] + tl.sum(pc * ve, 0)[None, :]
+        acc_o = acc_o * alpha[:, None] + tl.sum(pc * vo, 0)[None, :]
+    return m_new, l_i, acc_e, acc_o
+
+
+@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+def _attn_kernel(
+    q, k_in, v_in, q_positions, in_positions, p0,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    out, part_ml, part_acc,
+    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    sqp_b, sqp_t, sip_b, sip_t,
+    T, Ti, Hq, depth, scale, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, QPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
+):
+    HD: tl.constexpr = D // 2
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    z = tl.program_id(1)
+    m = tl.program_id(2) * BM + tl.arange(0, BM)
+    mmask = m < T * QPK
+    t = (m // QPK).to(tl.int64)
+    hq = (h * QPK + m % QPK).to(tl.int64)
+    qpos = tl.load(q_positions + b * sqp_b + t * sqp_t, mask=mmask, other=-1)
+    qvalid = mmask & (qpos >= 0)
+    i = tl.arange(0, NP)
+    imask = i < HD
+    qm = qvalid[:, None] & imask[None, :]
+    qo_ = (b * sq_b + hq * sq_h + t * sq_t)[:, None] + (2 * i)[None, :] * sq_d
+    qe = tl.load(q + qo_, mask=qm, other=0.0).to(tl.float32)
+    qo = tl.load(q + qo_ + sq_d, mask=qm, other=0.0).to(tl.float32)
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc_e = tl.zeros([BM, NP], tl.float32)
+    acc_o = tl.zeros([BM, NP], tl.float32)
+    qmax = tl.max(tl.where(qvalid, qpos, -1), 0)
+
+    if z < NSTORED:
+        P0 = tl.load(p0 + b)
+        ntiles = (P0 + BN - 1) // BN
+        tile = (z * ntiles) // NSTORED
+        t_hi = ((z + 1) * ntiles) // NSTORED
+        while tile < t_hi:
+            kpos = tile.to(tl.int64) * BN + tl.arange(0, BN)
+            pm = kpos < P0
+            ke, ko, ve, vo, kvalid = _reconstruct(
+                kpos, pm, b, h, depth,
+                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                B, H, S, NB, CAPT, R, D, G, 0, NP, True,
+            )
+            m_i, l_i, acc_e, acc_o = _attend(
+                qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
+                kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
+            )
+            tile += 1
+    run_inflight = z == NSTORED
+    if FUSED:
+        run_inflight = z >= 0
+    if run_inflight:
+        t0 = 0
+        while t0 < Ti:
+            tk = t0 + tl.arange(0, BN)
+            tkm = tk < Ti
+            kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tkm, other=-1)
+            kvalid = tkm & (kpos >= 0)
+            kmin = tl.min(tl.where(kvalid, kpos, 9223372036854775807), 0)
+            if kmin <= qmax:
+                km = kvalid[:, None] & imask[None, :]
+                ko_ = (b * sk_b + h * sk_h + tk * sk_t)[:, None] + (2 * i)[None, :] * sk_d
+                vo_ = (b * sv_b + h * sv_h + tk * sv_t)[:, None] + (2 * i)[None, :] * sv_d
+                ke = tl.load(k_in + ko_, mask=km, other=0.0).to(tl.float32)
+                ko = tl.load(k_in + ko_ + sk_d, mask=km, other=0.0).to(tl.float32)
+                ve = tl.load(v_in + vo_, mask=km, other=0.0).to(tl.float32)
+                vo = tl.load(v_in + vo_ + sv_d, mask=km, other=0.0).to(tl.float32)
+                m_i, l_i, acc_e, acc_o = _attend(
+                    qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
+                )
+            t0 += BN
+
+    orow = (b * Hq + hq) * T + t  # [BM]
+    om = mmask[:, None] & imask[None, :]
+    if FUSED:
+        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        ty = out.dtype.element_ty
+        o = orow[:, None] * D + 2 * i[None, :]
+        tl.store(out + o, _round_to(acc_e * inv[:, None], CD).to(ty), mask=om)
+        tl.store(out + o + 1, _round_to(acc_o * inv[:, None], CD).to(ty), mask=om)
+    else:
+        NSPL: tl.constexpr = NSTORED + 1
+        prow = orow * NSPL + z
+        tl.store(part_ml + prow * 2, m_i, mask=mmask)
+        tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
+        o = prow[:, None] * D + 2 * i[None, :]
+        tl.store(part_acc + o, acc_e, mask=om)
+        tl.store(part_acc + o + 1, acc_o, mask=om)
+
+
+@triton.jit
+def _combine_kernel(part_ml, part_acc, out, NSPL: tl.constexpr, NSP2: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    zz = tl.arange(0, NSP2)
+    zm = zz < NSPL
+    mz = tl.load(part_ml + (row * NSPL + zz) * 2, mask=zm, other=float("-inf"))
+    lz = tl.load(part_ml + (row * NSPL + zz) * 2 + 1, mask=zm, other=0.0)
+    mx = tl.max(mz, 0)
+    ms = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.where(zm, tl.exp(mz - ms), 0.0)
+    lsum = tl.sum(lz * w, 0)
+    c = tl.arange(0, DP)
+    cm = c < D
+    acc = tl.load(part_acc + (row * NSPL + zz)[:, None] * D + c[None, :], mask=zm[:, None] & cm[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0)
+    inv = tl.where(lsum > 0.0, 1.0 / tl.where(lsum > 0.0, lsum, 1.0), 0.0)
+    tl.store(out + row * D + c, _round_to(o * inv, CD).to(out.dtype.element_ty), mask=cm)
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------------
+
+
+def _geometry(tensors):
+    k_base, k_res, k_tail, rows = tensors[0], tensors[6], tensors[12], tensors[16]
+    B, H, S, HD = k_base.shape
+    R = k_tail.shape[1]
+    G = k_tail.shape[3] // 2
+    D = 2 * HD
+    NB = S // G
+    CAPT = k_res.shape[2]
+    return B, H, S, D, G, R, NB, CAPT
+
+
+def stored_end(q_positions: torch.Tensor, inflight_positions: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """P0 [B] int32: positions < P0 are read from the store. The first valid in-flight position
+    (padding -1 ignored); a row without valid in-flight keys reads the store up to its last valid
+    query position. On device, no host sync."""
+    big = torch.iinfo(torch.int64).max
+    if inflight_positions.shape[1]:
+        first = torch.where(inflight_positions >= 0, inflight_positions, big).amin(dim=1)
+    else:
+        first = torch.full(inflight_positions.shape[:1], big, dtype=torch.int64, device=inflight_positions.device)
+    if q_positions.shape[1]:
+        qend = q_positions.amax(dim=1).clamp_min(-1) + 1
+    else:
+        qend = torch.zeros(q_positions.shape[:1], dtype=torch.int64, device=q_positions.device)
+    return torch.where(first == big, qend, first).clamp(0, max_seq).to(torch.int32)
+
+
+def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n: int, device: torch.device | None = None) -> int:
+    """Splits of the stored key range for the decode kernel: enough programs for about two waves
+    of the device's SMs (static: depends on shapes only), at least 4 key tiles per split."""
+    sms = 132
+    if device is not None and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = batch * kv_heads * m_tiles
+    want = max(1, (2 * sms) // max(programs, 1))
+    return max(1, min(want, max_seq // (4 * block_n), 64))
+
+
+def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=_identity) -> None:
+    """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops)."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    Bc, _, Tn, _ = k.shape
+    if Tn == 0 and depth == 0:
+        return
+    dev = k.device
+    scratch = torch.empty(Bc, 2, dtype=torch.int32, device=dev)
+    if Tn:
+        skey = torch.cummax(positions, dim=1).values.contiguous()
+    else:
+        skey = torch.zeros(Bc, 1, dtype=torch.int64, device=dev)
+    nsearch = max(1, int(Tn).bit_length())
+    wrap(_write_flush_kernel)[(Bc, H)](
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
+        k, v, positions, skey, scratch,
+        *k.stride(), *v.stride(), *positions.stride(),
+        Tn, depth, B, H, S, NB, CAPT, R,
+        D=D, G=G, NSEARCH=nsearch, BT=128, num_warps=8,
+    )
+    bt = 32
+    wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
+        k_tail, v_tail, flushed, row_count, depth_count,
+        k, v, positions, scratch,
+        *k.stride(), *v.stride(), *positions.stride(),
+        Tn, depth, H, S, R,
+        D=D, G=G, DP=_next_pow2(D), BT=bt, num_warps=4,
+    )
+
+
+def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=_identity) -> None:
+    """Logical K/V at ``depth`` of positions [B, P] into out_k/out_v [B, H, P, D] (contiguous)."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    Bc, P = positions.shape
+    if P == 0 or Bc == 0:
+        return
+    np_ = _next_pow2(D // 2)
+    bp = 32 if np_ <= 64 else 16
+    if _interpreting():
+        bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
+    wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bp))](
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        positions, out_k, out_v,
+        *positions.stride(), P, depth, B, H, S, NB, CAPT, R,
+        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[out_k.dtype], num_warps=4,
+    )
+
+
+def launch_packed_attention(
+    tensors, q, k_inflight, v_inflight, q_positions, inflight_positions, depth: int, scale: float, out,
+    *, wrap=_identity, num_splits: int | None = None, mode: str | None = None,
+) -> None:
+    """Causal attention at ``depth`` into out [B, Hq, T, D] (contiguous); see packed_ops.
+
+    mode: "decode" (split-K partials + combine; default when T * Hq/H <= 64) or "prefill"
+    (one fused pass per query tile)."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    Bc, Hq, T, _ = q.shape
+    Ti = k_inflight.shape[2]
+    if Bc == 0 or T == 0:
+        return
+    qpk = Hq // H
+    mrows = T * qpk
+    if mode is None:
+        mode = "decode" if mrows <= 64 else "prefill"
+    np_ = _next_pow2(D // 2)
+    interp = _interpreting() or q.device.type != "cuda"
+    cd = _CDTYPE_CODE[q.dtype]
+    dot_t = 0 if (interp or q.dtype == torch.float32) else cd  # the interpreter's bf16 dot is wrong: FP32 there
+    p0 = stored_end(q_positions, inflight_positions, S)
+    if mode == "decode":
+        bm = 1 if mrows == 1 else max(16, _next_pow2(mrows))
+        bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
+        m_tiles = triton.cdiv(mrows, bm)
+        ns = num_splits if num_splits is not None else decode_splits(Bc, H, m_tiles, S, bn, q.device)
+        nspl = ns + 1
+        part_ml = torch.empty(Bc * Hq * T * nspl * 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(Bc * Hq * T * nspl * D, dtype=torch.float32, device=q.device)
+        grid = (Bc * H, nspl, m_tiles)
+        fused = False
+        warps = 8
+    elif mode == "prefill":
+        bm = 64
+        bn = min(G, 64 if interp else 32)
+        m_tiles = triton.cdiv(mrows, bm)
+        ns = 1
+        part_ml = part_acc = out  # unused
+        grid = (Bc * H, 1, m_tiles)
+        fused = True
+        warps = 8
+    else:
+        raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
+    wrap(_attn_kernel)[grid](
+        q, k_inflight, v_inflight, q_positions, inflight_positions, p0,
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        out, part_ml, part_acc,
+        *q.stride(), *k_inflight.stride(), *v_inflight.stride(),
+        *q_positions.stride(), *inflight_positions.stride(),
+        T, Ti, Hq, depth, float(scale), B, H, S, NB, CAPT, R,
+        D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
+        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, num_warps=warps,
+    )
+    if not fused:
+        wrap(_combine_kernel)[(Bc * Hq * T,)](
+            part_ml, part_acc, out, NSPL=nspl, NSP2=_next_pow2(nspl), D=D, DP=_next_pow2(D), CD=cd, num_warps=4,
+        )

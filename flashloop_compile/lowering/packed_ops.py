@@ -1,0 +1,478 @@
+"""``flashloop`` ops over the packed KV cache (SPEC.md section 3, DESIGN.md "Packed KV storage").
+
+Registered on import, in the style of :mod:`.ops`: each op is a ``torch.library.triton_op`` whose
+CUDA body launches the Triton kernels of :mod:`.kernels.packed_kv` through ``wrap_triton`` (so
+Inductor sees them and they can be captured in CUDA graphs: no host syncs), with
+``register_kernel("cpu")`` pointing at a plain-PyTorch ATen body written for clarity (the
+oracle), and a fake implementation whose ``torch._check`` calls state the contract. Traced on a
+non-CUDA device (torch.compile on CPU) a body calls the opaque ``flashloop::*_aten`` twin op.
+
+The 20 cache tensors ``<cache>`` are ``PackedKVCache.op_tensors(layer)``: the layer's
+``k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min,
+k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count`` and the model's
+``rows, depth_count, res_layout, overflow`` (shapes in :mod:`flashloop_compile.runtime.packed_kv`).
+
+- ``packed_kv_write(<cache>, k [B,H,T,D], v, positions [B,T] int64, depth)``: store depth
+  ``depth`` of the tokens at ``positions`` (ascending per row; -1 = padding, ignored). Sets
+  depth_count = depth + 1 for them; tokens not passed at depth d >= 1 are inactive there (no
+  residual, readers inherit). Whole G-token blocks leaving the tail window are quantized now:
+  depth 0 flushes while length - flushed >= 2G (length = max position + 1 of the call), depth
+  d >= 1 flushes up to where depth d-1 stands (see below). Depth 0 blocks -> base codes; depth d
+  blocks -> INT4 residuals of the block's tokens active at d (depth_count > d) against the
+  reconstruction of depth d-1, in compact rows allocated from row_count (block-local K groups
+  over the active rows, V per row); rows[d][pos] = row. Tokens at or past the new boundary go to
+  the ring slot pos % 2G of depth d.
+- ``packed_read(<cache>, positions [B,P], depth) -> (k, v)`` [B,H,P,D] compute dtype: what a
+  reader sees; e = min(depth, depth_count[p] - 1); p < flushed[e]: base + the residuals of depths
+  1..e present in rows; otherwise the ring at depth e. Unwritten or -1 positions read as 0.
+- ``packed_attention(q [B,Hq,T,D], k_inflight [B,H,Ti,D], v_inflight, q_positions [B,T],
+  inflight_positions [B,Ti], depth, <cache>, scale) -> out [B,Hq,T,D]``: causal attention (key
+  position <= query position) over the stored keys at positions < P0 (P0 = first valid in-flight
+  position of the row) read as above, plus the in-flight keys exactly. FP32 softmax and
+  accumulation; query rows at position -1 give 0.
+
+Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
+depth d passes only the tokens active at d, whose last position can lie far before the prompt's
+end; the boundary of a step is the same for every depth (the reference flushes all depths of a
+block at once), and depth 0 (which sees every token) has just set it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
+
+__all__ = [
+    "packed_kv_write",
+    "packed_read",
+    "packed_attention",
+    "packed_kv_write_aten",
+    "packed_read_aten",
+    "packed_attention_aten",
+    "quantize_groups",
+]
+
+LIB = "flashloop"
+QMAX = 15
+PARAM_DTYPE = torch.float16
+CACHE_NAMES = LAYER_TENSOR_NAMES + MODEL_TENSOR_NAMES
+WRITE_MUTATES = tuple(n for n in CACHE_NAMES if n != "res_layout")
+
+
+# ------------------------------------------------------------------------------------------------
+# contracts (fake impls)
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_cache(t: tuple[Tensor, ...]) -> tuple[int, ...]:
+    """Check the 20 cache tensors against each other; return (B, H, S, D, G, R, NB, CAPT)."""
+    torch._check(len(t) == len(CACHE_NAMES), lambda: f"expected {len(CACHE_NAMES)} cache tensors, got {len(t)}")
+    c = dict(zip(CACHE_NAMES, t))
+    kb, kt = c["k_base"], c["k_tail"]
+    torch._check(kb.dim() == 4 and kb.dtype == torch.uint8, lambda: f"k_base must be uint8 [B, H, S, D/2], got {kb.dtype} {tuple(kb.shape)}")
+    torch._check(kt.dim() == 5, lambda: f"k_tail must be [B, R, H, 2*tail, D], got {tuple(kt.shape)}")
+    B, H, S, HD = kb.shape
+    R, RING, D = kt.shape[1], kt.shape[3], kt.shape[4]
+    G = RING // 2
+    torch._check(D == 2 * HD, lambda: f"k_tail head_dim {D} != 2 * k_base's {HD}")
+    torch._check(G >= 16 and D % G == 0 and S % G == 0, lambda: f"group size {G} must divide head_dim {D} and max_seq {S}")
+    NB, NG = S // G, D // G
+    CAPT = c["k_res"].shape[2]
+    cdt = kt.dtype
+    expected = {
+        "k_base": ((B, H, S, HD), torch.uint8),
+        "k_base_min": ((B, H, NB, D), PARAM_DTYPE),
+        "k_base_scale": ((B, H, NB, D), PARAM_DTYPE),
+        "v_base": ((B, H, S, HD), torch.uint8),
+        "v_base_min": ((B, H, S, NG), PARAM_DTYPE),
+        "v_base_scale": ((B, H, S, NG), PARAM_DTYPE),
+        "k_res": ((B, H, CAPT, HD), torch.uint8),
+        "k_res_min": ((R - 1, B, H, NB, D), PARAM_DTYPE),
+        "k_res_scale": ((R - 1, B, H, NB, D), PARAM_DTYPE),
+        "v_res": ((B, H, CAPT, HD), torch.uint8),
+        "v_res_min": ((B, H, CAPT, NG), PARAM_DTYPE),
+        "v_res_scale": ((B, H, CAPT, NG), PARAM_DTYPE),
+        "k_tail": ((B, R, H, RING, D), cdt),
+        "v_tail": ((B, R, H, RING, D), cdt),
+        "flushed": ((B, R), torch.int32),
+        "row_count": ((B, R), torch.int32),
+        "rows": ((R - 1, B, S), torch.int32),
+        "depth_count": ((B, S), torch.uint8),
+        "res_layout": ((2, R), torch.int32),
+        "overflow": ((1,), torch.int32),
+    }
+    for name, (shape, dtype) in expected.items():
+        x = c[name]
+        torch._check(
+            tuple(x.shape) == shape and x.dtype == dtype,
+            lambda name=name, x=x, shape=shape, dtype=dtype: f"{name} must be {dtype} {list(shape)}, got {x.dtype} {list(x.shape)}",
+        )
+        torch._check(x.is_contiguous(), lambda name=name: f"cache tensor {name} must be contiguous")
+        torch._check(x.device == kb.device, lambda name=name: f"cache tensor {name} is on {c[name].device}, k_base on {kb.device}")
+    return B, H, S, D, G, R, NB, CAPT
+
+
+def _check_depth(depth: int, R: int) -> None:
+    torch._check(0 <= depth < R, lambda: f"depth must be in 0..{R - 1} (zero-based loop index), got {depth}")
+
+
+def _check_tokens(name: str, x: Tensor, B: int, H: int, D: int, cdt: torch.dtype, dev) -> None:
+    torch._check(x.dim() == 4, lambda: f"{name} must be [B, H, T, D], got {tuple(x.shape)}")
+    torch._check(x.shape[0] <= B, lambda: f"{name} batch {x.shape[0]} exceeds the cache's max_batch {B}")
+    torch._check(x.shape[1] == H and x.shape[3] == D, lambda: f"{name} must have {H} kv heads and head_dim {D}, got {tuple(x.shape)}")
+    torch._check(x.dtype == cdt, lambda: f"{name} must have the cache's compute dtype {cdt}, got {x.dtype}")
+    torch._check(x.device == dev, lambda: f"{name} is on {x.device}, the cache on {dev}")
+
+
+def _check_positions(name: str, p: Tensor, b: int, t: int) -> None:
+    torch._check(p.dtype == torch.int64, lambda: f"{name} must be int64, got {p.dtype}")
+    torch._check(tuple(p.shape) == (b, t), lambda: f"{name} must be [{b}, {t}], got {tuple(p.shape)}")
+
+
+def _write_fake(*args):
+    *cache, k, v, positions, depth = args
+    B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
+    _check_depth(depth, R)
+    cdt, dev = cache[12].dtype, cache[0].device
+    _check_tokens("k", k, B, H, D, cdt, dev)
+    _check_tokens("v", v, B, H, D, cdt, dev)
+    torch._check(k.shape == v.shape, lambda: f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    _check_positions("positions", positions, k.shape[0], k.shape[2])
+    return None
+
+
+def _read_fake(*args):
+    *cache, positions, depth = args
+    B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
+    _check_depth(depth, R)
+    torch._check(positions.dim() == 2 and positions.dtype == torch.int64, lambda: "positions must be int64 [B, P]")
+    torch._check(positions.shape[0] <= B, lambda: f"positions batch {positions.shape[0]} exceeds max_batch {B}")
+    shape = (positions.shape[0], H, positions.shape[1], D)
+    cdt = cache[12].dtype
+    return cache[0].new_empty(shape, dtype=cdt), cache[0].new_empty(shape, dtype=cdt)
+
+
+def _attention_fake(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *rest):
+    *cache, scale = rest
+    B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
+    _check_depth(depth, R)
+    cdt, dev = cache[12].dtype, cache[0].device
+    torch._check(q.dim() == 4, lambda: f"q must be [B, Hq, T, D], got {tuple(q.shape)}")
+    torch._check(q.dtype == cdt and q.shape[3] == D, lambda: f"q must be {cdt} with head_dim {D}, got {q.dtype} {tuple(q.shape)}")
+    torch._check(q.shape[1] % H == 0, lambda: f"query heads {q.shape[1]} must be a multiple of kv heads {H}")
+    _check_tokens("k_inflight", k_inflight, B, H, D, cdt, dev)
+    _check_tokens("v_inflight", v_inflight, B, H, D, cdt, dev)
+    torch._check(k_inflight.shape == v_inflight.shape, lambda: "k_inflight and v_inflight shapes differ")
+    torch._check(k_inflight.shape[0] == q.shape[0], lambda: "q and k_inflight batch differ")
+    _check_positions("q_positions", q_positions, q.shape[0], q.shape[2])
+    _check_positions("inflight_positions", inflight_positions, q.shape[0], k_inflight.shape[2])
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ------------------------------------------------------------------------------------------------
+# ATen bodies (the oracle): plain PyTorch, one batch row at a time, host syncs allowed
+# ------------------------------------------------------------------------------------------------
+
+
+def quantize_groups(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`flashloop_compile.reference.codec.quantize`, with the scale's division by 15 written
+    tensor / tensor: on CUDA, ATen divides by a Python scalar through its reciprocal (a different
+    rounding); tensor / tensor is a correctly rounded division on every device, as in the kernels."""
+    xf = x.float()
+    lo = xf.amin(dim=dim, keepdim=True)
+    hi = xf.amax(dim=dim, keepdim=True)
+    minimum = lo.to(PARAM_DTYPE)
+    scale = ((hi - lo) / torch.full_like(hi, float(QMAX))).to(PARAM_DTYPE)
+    m32, s32 = minimum.float(), scale.float()
+    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
+    codes = torch.where(s32 > 0, torch.round((xf - m32) / safe).clamp(0, QMAX), torch.zeros_like(xf))
+    return codes.to(torch.uint8), minimum, scale
+
+
+def _dequantize(codes: Tensor, minimum: Tensor, scale: Tensor) -> Tensor:
+    return minimum.float() + scale.float() * codes.float()
+
+
+def _pack(codes: Tensor) -> Tensor:
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def _unpack(packed: Tensor) -> Tensor:
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+
+
+class _Cache:
+    """Named view of the 20 cache tensors plus geometry."""
+
+    def __init__(self, tensors) -> None:
+        for name, t in zip(CACHE_NAMES, tensors):
+            setattr(self, name, t)
+        self.B, self.H, self.S, half = self.k_base.shape
+        self.D = 2 * half
+        self.R = self.k_tail.shape[1]
+        self.RING = self.k_tail.shape[3]
+        self.G = self.RING // 2
+        self.NG = self.D // self.G
+        self.offset = self.res_layout[0].tolist()
+        self.capacity = self.res_layout[1].tolist()
+
+
+def _reconstruct(c: _Cache, b: int, pos: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor]:
+    """FP32 logical K, V [H, n, D] at ``depth`` of positions pos [n] (in range) of slot b, and
+    which of them hold a written token (others read 0). The resolution rule of DESIGN.md."""
+    H, n, D, G, NG = c.H, pos.numel(), c.D, c.G, c.NG
+    pos = pos.long()
+    dc = c.depth_count[b, pos].long()
+    valid = dc > 0
+    e = torch.clamp(torch.minimum(dc - 1, torch.full_like(dc, depth)), min=0)
+    packed = valid & (pos < c.flushed[b, e].long())
+    blk = pos // G
+    k = _dequantize(_unpack(c.k_base[b, :, pos]), c.k_base_min[b, :, blk], c.k_base_scale[b, :, blk])
+    v = _dequantize(
+        _unpack(c.v_base[b, :, pos]).view(H, n, NG, G), c.v_base_min[b, :, pos][..., None], c.v_base_scale[b, :, pos][..., None]
+    ).view(H, n, D)
+    for j in range(1, depth + 1):
+        r = c.rows[j - 1, b, pos].long()
+        has = packed & (r >= 0) & (j <= e)
+        g = torch.where(has, c.offset[j] + r, torch.zeros_like(r))
+        rk = _dequantize(_unpack(c.k_res[b, :, g]), c.k_res_min[j - 1, b, :, blk], c.k_res_scale[j - 1, b, :, blk])
+        rv = _dequantize(
+            _unpack(c.v_res[b, :, g]).view(H, n, NG, G), c.v_res_min[b, :, g][..., None], c.v_res_scale[b, :, g][..., None]
+        ).view(H, n, D)
+        k = torch.where(has[None, :, None], k + rk, k)
+        v = torch.where(has[None, :, None], v + rv, v)
+    ring = valid & ~packed
+    slot = pos % c.RING
+    kt = c.k_tail[b, e, :, slot].transpose(0, 1).float()  # [H, n, D]
+    vt = c.v_tail[b, e, :, slot].transpose(0, 1).float()
+    k = torch.where(ring[None, :, None], kt, k)
+    v = torch.where(ring[None, :, None], vt, v)
+    k = torch.where(valid[None, :, None], k, torch.zeros_like(k))
+    v = torch.where(valid[None, :, None], v, torch.zeros_like(v))
+    return k, v, valid
+
+
+def packed_kv_write_aten(*args) -> None:
+    """ATen body of ``flashloop::packed_kv_write`` (same arguments)."""
+    *cache, k, v, positions, depth = args
+    c = _Cache(cache)
+    G, H, D, NG, S, RING = c.G, c.H, c.D, c.NG, c.S, c.RING
+    off, cap = c.offset[depth], c.capacity[depth]
+    for b in range(k.shape[0]):
+        valid = positions[b] >= 0
+        pos = positions[b][valid]
+        kb, vb = k[b][:, valid], v[b][:, valid]  # [H, n, D]
+        F = int(c.flushed[b, depth])
+        if depth == 0:
+            length = int(pos.max()) + 1 if pos.numel() else 0
+            target = (length - G) // G * G if length >= G else 0
+        else:
+            target = int(c.flushed[b, depth - 1])
+        T = min(max(F, target), S)
+        c.depth_count[b, pos] = depth + 1
+        index = {p: i for i, p in enumerate(pos.tolist())}
+        row = int(c.row_count[b, depth])
+        for s in range(F, T, G):
+            block = torch.arange(s, s + G, device=k.device)
+            idx = torch.tensor([index.get(p, -1) for p in range(s, s + G)], device=k.device)
+            in_call = idx >= 0
+            ring_k = c.k_tail[b, depth, :, block % RING]
+            ring_v = c.v_tail[b, depth, :, block % RING]
+            xk = torch.where(in_call[None, :, None], kb[:, idx.clamp_min(0)], ring_k).float()  # [H, G, D]
+            xv = torch.where(in_call[None, :, None], vb[:, idx.clamp_min(0)], ring_v).float()
+            if depth == 0:
+                codes, mn, sc = quantize_groups(xk, dim=1)  # K: one group per channel over the block
+                c.k_base[b, :, s : s + G] = _pack(codes)
+                c.k_base_min[b, :, s // G], c.k_base_scale[b, :, s // G] = mn[:, 0], sc[:, 0]
+                codes, mn, sc = quantize_groups(xv.view(H, G, NG, G), dim=-1)  # V: per token per G channels
+                c.v_base[b, :, s : s + G] = _pack(codes.view(H, G, D))
+                c.v_base_min[b, :, s : s + G], c.v_base_scale[b, :, s : s + G] = mn[..., 0], sc[..., 0]
+                row += G
+                continue
+            active = c.depth_count[b, s : s + G].long() > depth
+            n = int(active.sum())
+            if n == 0:
+                continue
+            apos = block[active]
+            rk, rv, _ = _reconstruct(c, b, apos, depth - 1)  # X_hat[depth - 1], FP32
+            dk, dv = xk[:, active] - rk, xv[:, active] - rv  # residual against the reconstruction
+            local = row + torch.arange(n, device=k.device)
+            fits = local < cap
+            if not bool(fits.all()):
+                c.overflow.fill_(1)
+            g = off + local[fits]
+            codes, mn, sc = quantize_groups(dk, dim=1)  # block-local K groups over the active rows
+            c.k_res[b, :, g] = _pack(codes[:, fits])
+            c.k_res_min[depth - 1, b, :, s // G], c.k_res_scale[depth - 1, b, :, s // G] = mn[:, 0], sc[:, 0]
+            codes, mn, sc = quantize_groups(dv.reshape(H, n, NG, G), dim=-1)
+            c.v_res[b, :, g] = _pack(codes.view(H, n, D)[:, fits])
+            c.v_res_min[b, :, g], c.v_res_scale[b, :, g] = mn[..., 0][:, fits], sc[..., 0][:, fits]
+            c.rows[depth - 1, b, apos[fits]] = local[fits].to(torch.int32)
+            row += n
+        c.flushed[b, depth] = T
+        c.row_count[b, depth] = row
+        keep = pos >= T
+        c.k_tail[b, depth, :, pos[keep] % RING] = kb[:, keep]
+        c.v_tail[b, depth, :, pos[keep] % RING] = vb[:, keep]
+
+
+def packed_read_aten(*args) -> tuple[Tensor, Tensor]:
+    """ATen body of ``flashloop::packed_read`` (same arguments)."""
+    *cache, positions, depth = args
+    c = _Cache(cache)
+    cdt = c.k_tail.dtype
+    Bc, P = positions.shape
+    out_k = torch.zeros(Bc, c.H, P, c.D, dtype=cdt, device=positions.device)
+    out_v = torch.zeros_like(out_k)
+    for b in range(Bc):
+        ok = (positions[b] >= 0) & (positions[b] < c.S)
+        k, v, _ = _reconstruct(c, b, positions[b].clamp(0, c.S - 1), depth)
+        out_k[b] = torch.where(ok[None, :, None], k, 0.0).to(cdt)
+        out_v[b] = torch.where(ok[None, :, None], v, 0.0).to(cdt)
+    return out_k, out_v
+
+
+def packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *rest) -> Tensor:
+    """ATen body of ``flashloop::packed_attention``: explicit FP32 attention over the logical
+    stored keys (read like ``packed_read``, in the compute dtype) and the in-flight keys."""
+    *cache, scale = rest
+    c = _Cache(cache)
+    cdt = c.k_tail.dtype
+    Bc, Hq, T, D = q.shape
+    p0 = K.stored_end(q_positions, inflight_positions, c.S).tolist()
+    out = torch.zeros(Bc, Hq, T, D, dtype=torch.float32, device=q.device)
+    for b in range(Bc):
+        spos = torch.arange(p0[b], device=q.device)
+        ks, vs, svalid = _reconstruct(c, b, spos, depth)
+        keys = torch.cat([ks.to(cdt).float(), k_inflight[b].float()], dim=1)  # [H, N, D]
+        vals = torch.cat([vs.to(cdt).float(), v_inflight[b].float()], dim=1)
+        kpos = torch.cat([spos, inflight_positions[b]])
+        kvalid = torch.cat([svalid, inflight_positions[b] >= 0])
+        qpos = q_positions[b]
+        keys = keys.repeat_interleave(Hq // c.H, dim=0)
+        vals = vals.repeat_interleave(Hq // c.H, dim=0)
+        scores = (q[b].float() @ keys.transpose(-1, -2)) * scale  # [Hq, T, N]
+        visible = kvalid[None, :] & (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] >= 0)
+        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1).nan_to_num(0.0)
+        out[b] = probs @ vals
+    return out.to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# ops
+# ------------------------------------------------------------------------------------------------
+
+T_ = Tensor  # short alias for the long signatures below
+
+
+@torch.library.triton_op(f"{LIB}::packed_kv_write", mutates_args=WRITE_MUTATES)
+def _packed_kv_write(
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    k: T_, v: T_, positions: T_, depth: int,
+) -> None:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    if k.device.type != "cuda":
+        torch.ops.flashloop.packed_kv_write_aten(*cache, k, v, positions, depth)
+        return
+    K.launch_packed_kv_write(cache, k, v, positions, depth, wrap=torch.library.wrap_triton)
+
+
+@torch.library.triton_op(f"{LIB}::packed_read", mutates_args=())
+def _packed_read(
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    positions: T_, depth: int,
+) -> tuple[Tensor, Tensor]:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    if positions.device.type != "cuda":
+        return torch.ops.flashloop.packed_read_aten(*cache, positions, depth)
+    shape = (positions.shape[0], k_base.shape[1], positions.shape[1], 2 * k_base.shape[3])
+    out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
+    out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
+    K.launch_packed_read(cache, positions, depth, out_k, out_v, wrap=torch.library.wrap_triton)
+    return out_k, out_v
+
+
+@torch.library.triton_op(f"{LIB}::packed_attention", mutates_args=())
+def _packed_attention(
+    q: T_, k_inflight: T_, v_inflight: T_, q_positions: T_, inflight_positions: T_, depth: int,
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    scale: float,
+) -> Tensor:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    if q.device.type != "cuda":
+        return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    K.launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
+                              wrap=torch.library.wrap_triton)
+    return out
+
+
+# Opaque twins with the ATen bodies: what a CPU trace (torch.compile on CPU) records.
+def _twin_schema(op) -> str:
+    schema = str(op._opoverload._schema)
+    return schema[schema.index("(") :]
+
+
+_packed_kv_write_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_kv_write_aten", packed_kv_write_aten, mutates_args=WRITE_MUTATES, schema=_twin_schema(_packed_kv_write)
+)
+_packed_read_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_read_aten", packed_read_aten, mutates_args=(), schema=_twin_schema(_packed_read)
+)
+_packed_attention_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_attention_aten", packed_attention_aten, mutates_args=(), schema=_twin_schema(_packed_attention)
+)
+
+for _op, _aten, _fake in (
+    (_packed_kv_write, packed_kv_write_aten, _write_fake),
+    (_packed_read, packed_read_aten, _read_fake),
+    (_packed_attention, packed_attention_aten, _attention_fake),
+):
+    _op.register_kernel("cpu")(_aten)
+    _op.register_fake(_fake)
+for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_op, _read_fake), (_packed_attention_aten_op, _attention_fake)):
+    _op.register_fake(_fake)
+
+
+# ------------------------------------------------------------------------------------------------
+# wrappers
+# ------------------------------------------------------------------------------------------------
+
+
+def packed_kv_write(cache: PackedKVCache, layer: int, k: Tensor, v: Tensor, positions: Tensor, depth: int) -> None:
+    """Write depth ``depth`` of k/v [B, H, T, D] at positions [B, T] into ``cache``'s layer."""
+    torch.ops.flashloop.packed_kv_write(*cache.op_tensors(layer), k, v, positions, int(depth))
+
+
+def packed_read(cache: PackedKVCache, layer: int, positions: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+    """Logical (k, v) [B, H, P, D] at ``depth`` of positions [B, P]."""
+    return torch.ops.flashloop.packed_read(*cache.op_tensors(layer), positions, int(depth))
+
+
+def packed_attention(
+    cache: PackedKVCache, layer: int, q: Tensor, k_inflight: Tensor, v_inflight: Tensor,
+    q_positions: Tensor, inflight_positions: Tensor, depth: int, scale: float | None = None,
+) -> Tensor:
+    """Causal attention at ``depth`` over the packed store and the in-flight keys."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return torch.ops.flashloop.packed_attention(
+        q, k_inflight, v_inflight, q_positions, inflight_positions, int(depth), *cache.op_tensors(layer), scale
+    )

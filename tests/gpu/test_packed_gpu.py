@@ -1,0 +1,205 @@
+"""Packed KV ops on CUDA (Triton kernels) against the ATen bodies run on the same CUDA tensors, at
+realistic shapes (H=16, D=128, bf16); CUDA-graph capture; torch.compile.
+
+Run on the GPU machine: ``TRITON_INTERPRET=0 pytest -m gpu tests/gpu/test_packed_gpu.py``
+(tests/conftest.py turns the Triton interpreter on unless the variable is set; it must be off
+before triton is imported, so these tests fail early instead of running interpreted).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.runtime import PackedKVCache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+H, D, R = 16, 128, 4
+DT = torch.bfloat16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail(
+            "the Triton interpreter is on (tests/conftest.py sets TRITON_INTERPRET=1 unless it is set), so these "
+            "tests would not run the compiled kernels: run `TRITON_INTERPRET=0 pytest -m gpu tests/gpu`"
+        )
+
+
+def _nested_counts(n, g, fractions=(0.25, 0.10)):
+    counts = torch.full((n,), 2, dtype=torch.long)
+    active = torch.ones(n, dtype=torch.bool)
+    for d, f in zip((2, 3), fractions):
+        idx = torch.nonzero(active).flatten()
+        keep = idx[torch.randperm(idx.numel(), generator=g)[: max(1, int(f * n))]]
+        active = torch.zeros(n, dtype=torch.bool)
+        active[keep] = True
+        counts[active] = d + 1
+    return counts
+
+
+def _forward_calls(lengths, starts, g, sparse):
+    """Per depth: (k, v, positions) of the active tokens, right-padded with -1 (CUDA)."""
+    B = len(lengths)
+    counts = [(_nested_counts(n, g) if sparse else torch.full((n,), R, dtype=torch.long)) for n in lengths]
+    base_k = [torch.randn(H, n, D, generator=g) * 2 for n in lengths]
+    base_v = [torch.randn(H, n, D, generator=g) for n in lengths]
+    calls = []
+    ks, vs = base_k, base_v
+    for d in range(R):
+        if d:
+            ks = [k + 0.05 * (c > d).float()[None, :, None] * torch.randn(k.shape, generator=g) for k, c in zip(ks, counts)]
+            vs = [v + 0.05 * (c > d).float()[None, :, None] * torch.randn(v.shape, generator=g) for v, c in zip(vs, counts)]
+        sel = [torch.nonzero(c > d).flatten() for c in counts]
+        T = max(1, max(s.numel() for s in sel))
+        k = torch.zeros(B, H, T, D)
+        v = torch.zeros(B, H, T, D)
+        pos = torch.full((B, T), -1, dtype=torch.long)
+        for b, s in enumerate(sel):
+            m = s.numel()
+            pos[b, :m] = starts[b] + s
+            k[b, :, :m] = ks[b][:, s]
+            v[b, :, :m] = vs[b][:, s]
+        full_k = torch.zeros(B, H, max(lengths), D)
+        full_v = torch.zeros(B, H, max(lengths), D)
+        full_pos = torch.full((B, max(lengths)), -1, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            full_k[b, :, :n], full_v[b, :, :n] = ks[b], vs[b]
+            full_pos[b, :n] = starts[b] + torch.arange(n)
+        cu = lambda x: x.cuda().to(DT) if x.is_floating_point() else x.cuda()  # noqa: E731
+        calls.append(tuple(map(cu, (k, v, pos, full_k, full_v, full_pos))))
+    return calls
+
+
+def _assert_same(a: PackedKVCache, b: PackedKVCache, where: str):
+    for name, x, y in zip(P.CACHE_NAMES, a.op_tensors(0), b.op_tensors(0)):
+        assert torch.equal(x, y), f"{name} differs after {where}"
+
+
+@pytest.mark.parametrize("B, S, lengths", [(4, 8192, [5000, 3001, 64, 4097]), (1, 32768, [30000])])
+def test_write_and_attention_match_aten(B, S, lengths):
+    g = torch.Generator().manual_seed(0)
+    ca = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    ck = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    starts = [0] * B
+    forwards = [(list(lengths), True)] + [([1] * B, False)] * 3
+    for f, (lens, sparse) in enumerate(forwards):
+        for d, (k, v, pos, fk, fv, fpos) in enumerate(_forward_calls(lens, starts, g, sparse)):
+            P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
+            P.packed_kv_write(ck, 0, k, v, pos, d)
+            torch.cuda.synchronize()
+            _assert_same(ca, ck, f"forward {f} depth {d}")
+            if f >= 2 or (f == 0 and d == 3):
+                # decode attention (split-K) at every depth; GQA 2x on the last step
+                hq = H * (2 if f == 3 else 1)
+                q = torch.randn(B, hq, 1, D, device="cuda").to(DT)
+                qpos = fpos[:, -1:] if f else fpos.amax(1, keepdim=True)
+                ref = P.packed_attention_aten(q, fk, fv, qpos, fpos, d, *ca.op_tensors(0), D**-0.5)
+                out = P.packed_attention(ck, 0, q, fk, fv, qpos, fpos, d)
+                torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        starts = [s + n for s, n in zip(starts, lens)]
+    assert ca.overflow.item() == 0
+    # reads at every depth
+    pos = torch.arange(max(starts), device="cuda")[None].repeat(B, 1)
+    for b, n in enumerate(starts):
+        pos[b, n:] = -1
+    for d in range(R):
+        ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d)
+        kk, vk = P.packed_read(ck, 0, pos, d)
+        assert torch.equal(ka, kk) and torch.equal(va, vk)
+
+
+def test_prefill_chunk_attention_matches_aten():
+    # a 1024-token chunk (sparse depths) after a 6000-token prefix: fused prefill kernel
+    B, S = 2, 8192
+    g = torch.Generator().manual_seed(1)
+    c = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    for d, (k, v, pos, *_rest) in enumerate(_forward_calls([6000, 4000], [0, 0], g, True)):
+        P.packed_kv_write(c, 0, k, v, pos, d)
+    for d, (k, v, pos, fk, fv, fpos) in enumerate(_forward_calls([1024, 700], [6000, 4000], g, True)):
+        P.packed_kv_write(c, 0, k, v, pos, d)
+        q = torch.randn(B, 2 * H, pos.shape[1], D, device="cuda").to(DT)
+        ref = P.packed_attention_aten(q, fk, fv, pos, fpos, d, *c.op_tensors(0), D**-0.5)
+        out = P.packed_attention(c, 0, q, fk, fv, pos, fpos, d)
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+def _snapshot(c):
+    return [t.clone() for t in c.op_tensors(0)]
+
+
+def _restore(c, snap):
+    for t, s in zip(c.op_tensors(0), snap):
+        t.copy_(s)
+
+
+def test_cuda_graph_replay_equals_eager():
+    B, S = 4, 8192
+    g = torch.Generator().manual_seed(2)
+    c = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    for d, (k, v, pos, *_rest) in enumerate(_forward_calls([2000, 1500, 190, 3000], [0] * B, g, True)):
+        P.packed_kv_write(c, 0, k, v, pos, d)
+    starts = [2000, 1500, 190, 3000]
+    step = _forward_calls([1] * B, starts, g, False)
+    q = torch.randn(B, H, 1, D, device="cuda").to(DT)
+    before = _snapshot(c)
+
+    def decode_step():
+        outs = []
+        for d, (k, v, pos, fk, fv, fpos) in enumerate(step):
+            P.packed_kv_write(c, 0, k, v, pos, d)
+            outs.append(P.packed_attention(c, 0, q, fk, fv, pos, fpos, d))
+            outs.append(P.packed_read(c, 0, fpos, d)[0])
+        return outs
+
+    eager = [o.clone() for o in decode_step()]  # also compiles every kernel before capture
+    after = _snapshot(c)
+    _restore(c, before)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            static_outs = decode_step()
+    torch.cuda.current_stream().wait_stream(s)
+    _restore(c, before)  # capture does not run the kernels, but be explicit
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(static_outs, eager):
+        assert torch.equal(x, y)
+    for x, y in zip(c.op_tensors(0), after):
+        assert torch.equal(x, y)
+
+
+def test_torch_compile_fullgraph():
+    B, S = 2, 4096
+    g = torch.Generator().manual_seed(3)
+    ce = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    cc = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    for c in (ce, cc):
+        for d, (k, v, pos, *_rest) in enumerate(_forward_calls([1000, 300], [0, 0], torch.Generator().manual_seed(4), True)):
+            P.packed_kv_write(c, 0, k, v, pos, d)
+    step = _forward_calls([1, 1], [1000, 300], g, False)
+    q = torch.randn(B, H, 1, D, device="cuda").to(DT)
+
+    def f(cache_tensors, q, step):
+        outs = []
+        for d, (k, v, pos, fk, fv, fpos) in enumerate(step):
+            torch.ops.flashloop.packed_kv_write(*cache_tensors, k, v, pos, d)
+            outs.append(torch.ops.flashloop.packed_attention(q, fk, fv, pos, fpos, d, *cache_tensors, 0.088))
+        return outs
+
+    eager = f(ce.op_tensors(0), q, step)
+    compiled = torch.compile(f, fullgraph=True)(cc.op_tensors(0), q, step)
+    for x, y in zip(compiled, eager):
+        torch.testing.assert_close(x.float(), y.float(), atol=1e-2, rtol=1e-2)
+    _assert_same(ce, cc, "compiled decode step")

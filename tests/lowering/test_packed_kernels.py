@@ -1,0 +1,112 @@
+"""The packed-KV Triton launchers (run by the interpreter on CPU tensors) against the ATen bodies:
+identical cache tensors after the same writes, identical reads, attention within tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.runtime import PackedKVCache
+from tests.lowering.packed_scenario import batched_depth_call, batched_inflight, scenario
+
+H, D, R, S = 2, 64, 4, 256
+
+
+def write_kernel(cache, layer, k, v, pos, depth):
+    K.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth)
+
+
+def read_kernel(cache, layer, pos, depth):
+    shape = (pos.shape[0], cache.kv_heads, pos.shape[1], cache.head_dim)
+    out_k = torch.empty(shape, dtype=cache.dtype)
+    out_v = torch.empty(shape, dtype=cache.dtype)
+    K.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v)
+    return out_k, out_v
+
+
+def attention_kernel(cache, layer, q, ki, vi, qpos, ipos, depth, scale, **kw):
+    out = torch.empty_like(q)
+    K.launch_packed_attention(cache.op_tensors(layer), q, ki, vi, qpos, ipos, depth, scale, out, **kw)
+    return out
+
+
+def assert_same_cache(a: PackedKVCache, b: PackedKVCache, where: str) -> None:
+    for name, x, y in zip(P.CACHE_NAMES, a.op_tensors(0), b.op_tensors(0)):
+        assert torch.equal(x, y), f"{name} differs after {where}"
+
+
+def _positions(lengths):
+    n = max(lengths)
+    pos = torch.full((len(lengths), n), -1, dtype=torch.long)
+    for b, m in enumerate(lengths):
+        pos[b, :m] = torch.arange(m)
+    return pos
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_read_attention_match_aten(dtype):
+    ca = PackedKVCache(1, R, 2, S, H, D, dtype=dtype)
+    ck = PackedKVCache(1, R, 2, S, H, D, dtype=dtype)
+    lengths = [0, 0]
+    g = torch.Generator().manual_seed(7)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    forwards = scenario(H, D, R, dtype, seed=1)
+    for f, fw in enumerate(forwards):
+        for d in range(R):
+            k, v, pos = batched_depth_call(fw, d, H, D, dtype, pad="left" if f == 1 else "right")
+            P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
+            write_kernel(ck, 0, k, v, pos, d)
+            assert_same_cache(ca, ck, f"forward {f} depth {d}")
+            if (f < 2 and d == 3 * f) or (f == len(forwards) - 1 and d in (0, 2, 3)):
+                # attention mid-forward: decode mode (split-K) and, for the prompt chunk, prefill mode
+                ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
+                q = torch.randn(pos.shape[0], 2 * H, pos.shape[1], D, generator=g).to(dtype)
+                ref = P.packed_attention_aten(q, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
+                for kw in [dict(mode="prefill")] if f < 2 else [dict(num_splits=1 + d)]:
+                    out = attention_kernel(ck, 0, q, ki, vi, pos, ipos, d, 0.125, **kw)
+                    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+        for b, rf in enumerate(fw):
+            if rf is not None:
+                lengths[b] = rf.start + rf.n
+        if f in (1, len(forwards) - 1):
+            pos = _positions(lengths)
+            for d in range(R):
+                ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d)
+                kk, vk = read_kernel(ck, 0, pos, d)
+                assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d)
+
+
+def test_decode_attention_single_query_and_gqa_dot_path():
+    # T=1 with Hq=H (BM=1, no dot) and T=1 with Hq=4H (dot path), one split and several splits.
+    cache = PackedKVCache(1, 2, 2, S, H, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    n = 200
+    k, v = torch.randn(2, H, n, D, generator=g), torch.randn(2, H, n, D, generator=g)
+    pos = torch.arange(n)[None].repeat(2, 1)
+    pos[1, 150:] = -1  # ragged: row 1 has 150 tokens
+    for d in range(2):
+        P.packed_kv_write_aten(*cache.op_tensors(0), k + d * 0.1, v - d * 0.1, pos, d)
+    ki, vi = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
+    ipos = torch.tensor([[200], [150]])
+    for hq in (H, 4 * H):
+        q = torch.randn(2, hq, 1, D, generator=g)
+        for d in range(2):
+            ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, d, *cache.op_tensors(0), 0.2)
+            for ns in (1, 4):
+                out = attention_kernel(cache, 0, q, ki, vi, ipos, ipos, d, 0.2, num_splits=ns)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_overflow_matches_aten():
+    ca = PackedKVCache(1, 3, 1, 128, H, D, residual_capacity=[8, 2], dtype=torch.float32)
+    ck = PackedKVCache(1, 3, 1, 128, H, D, residual_capacity=[8, 2], dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, H, 128, D, generator=g), torch.randn(1, H, 128, D, generator=g)
+    pos = torch.arange(128)[None]
+    for d in range(3):
+        P.packed_kv_write_aten(*ca.op_tensors(0), k + d, v - d, pos, d)
+        write_kernel(ck, 0, k + d, v - d, pos, d)
+        assert_same_cache(ca, ck, f"depth {d}")
+    assert ck.overflow.item() == 1
