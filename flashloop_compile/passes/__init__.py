@@ -17,16 +17,21 @@ from flashloop_compile.passes.recognize import (
 )
 
 import flashloop_compile.lowering.ops  # noqa: F401  (registers the flashloop ops)
+import flashloop_compile.lowering.packed_ops  # noqa: F401
 import flashloop_compile.lowering.prefill_ops  # noqa: F401
 import flashloop_compile.lowering.selection_ops  # noqa: F401
+from flashloop_compile.passes.kv_quant import KVResidualQuantizationPass
 from flashloop_compile.passes.sparse_decode import SparseDecodeAttentionPass
 from flashloop_compile.passes.token_sparse import TokenSparsePrefillPass
 
-PASS_ORDER: list[type[FlashLoopPass]] = [TokenSparsePrefillPass, SparseDecodeAttentionPass]
+# Token-sparse prefill re-emits loop bodies and sparse decode replaces attention; KV quantization
+# runs last because it rewrites every cache write and read those two leave behind.
+PASS_ORDER: list[type[FlashLoopPass]] = [TokenSparsePrefillPass, SparseDecodeAttentionPass, KVResidualQuantizationPass]
 
 __all__ = [
     "PASS_ORDER",
     "SparseDecodeAttentionPass",
+    "KVResidualQuantizationPass",
     "TokenSparsePrefillPass",
     "FlashLoopPass",
     "PassManager",

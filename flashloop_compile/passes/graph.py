@@ -15,6 +15,7 @@ import torch.fx as fx
 
 __all__ = [
     "GraphSnapshot",
+    "runtime_buffer",
     "canonical_names",
     "val",
     "shape_of",
@@ -248,6 +249,19 @@ class GraphSnapshot:
         after = canonical_graph(gm, names=canonical_names(gm.graph, self.names))
         lines = difflib.unified_diff(self.text.splitlines(), after.splitlines(), lineterm="", n=0)
         return "\n".join(ln for ln in lines if not ln.startswith(("---", "+++", "@@"))) + "\n"
+
+
+def runtime_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
+    """A get_attr node for a runtime-owned tensor (step plan, packed cache), registered once as a
+    non-persistent buffer of the graph module and read at the top of the graph."""
+    if not hasattr(gm, name):
+        gm.register_buffer(name, tensor, persistent=False)
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and n.target == name:
+            return n
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    with gm.graph.inserting_before(first):
+        return gm.graph.get_attr(name)
 
 
 def linear_weight(n: fx.Node) -> Any:

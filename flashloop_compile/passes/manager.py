@@ -42,8 +42,12 @@ class PassContext:
     def __init__(self, gm: fx.GraphModule, example_inputs: list | None) -> None:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.real = dict(zip(placeholders, example_inputs)) if example_inputs is not None else {}
-        # nodes a pass replaced by others (layer boundaries follow them when outlining)
+        # Every pass sees the structure recognized before the first rewrite; nodes a pass replaced
+        # are followed here (later passes, layer boundaries when outlining).
         self.replaced: dict[fx.Node, fx.Node] = {}
+        # token-sparse loops' per-site values, for the KV quantization pass: (depth, layer) ->
+        # {"index", "k", "v", "positions", "q"} on the selected rows
+        self.sparse_sites: dict[tuple[int, int], dict[str, fx.Node]] = {}
 
     def follow(self, n: fx.Node) -> fx.Node:
         while n in self.replaced:
@@ -63,6 +67,29 @@ class PassContext:
             return state_for_tensor(anchor, max_batch).plan
         # graphs analysed without their real inputs (tests, inspect): a private all-valid plan
         return StepPlan.allocate(int(shape_of(structure.states[0])[0]), "cpu")
+
+
+    def packed_for(self, structure: LoopStructure, qcfg):
+        """The model's packed KV cache (runtime state), sized from its cache buffers."""
+        from flashloop_compile.passes.graph import val
+        from flashloop_compile.runtime.packed_kv import PackedKVCache
+        from flashloop_compile.runtime.state import ModelState, StepPlan, state_for_tensor
+
+        site = structure.sites[0]
+        anchor = self.real.get(site.cache.k_buffer)
+        if isinstance(anchor, torch.Tensor):
+            state = state_for_tensor(anchor, anchor.shape[0])
+        else:  # analysed without real inputs: a private cache on the CPU
+            anchor = val(site.cache.k_buffer)
+            state = self.__dict__.setdefault("_private", ModelState(StepPlan.allocate(anchor.shape[0], "cpu")))
+        packed = state.extras.get("packed")
+        b, h, s, d = (int(x) for x in anchor.shape)
+        geometry = (structure.num_layers, structure.num_loops, b, s, h, d, qcfg.group_size, qcfg.tail)
+        if packed is None or state.extras.get("packed_geometry") != geometry:
+            device = anchor.device if anchor.device.type != "meta" else "cpu"
+            packed = PackedKVCache(*geometry[:6], group_size=qcfg.group_size, tail=qcfg.tail, dtype=anchor.dtype, device=device)
+            state.extras["packed"], state.extras["packed_geometry"] = packed, geometry
+        return packed
 
 
 class FlashLoopPass:
@@ -169,8 +196,6 @@ class PassManager:
             propagate_fake_values(gm)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("graph after %s:\n%s", p.name, gm.code)
-            if p is not active[-1]:
-                structure = recognize(gm)
         return report
 
     def plan(self, structure: LoopStructure) -> list[str]:

@@ -489,7 +489,7 @@ def _cache_source(k: fx.Node, v: fx.Node, df: _Dataflow, loop_nodes: set[fx.Node
                 else:
                     value, index = arg(w, 1, "src"), None
             positions = _positions_from_index(index)
-            return "inplace", _strip(value, ("transpose", "dtype_cast")), root, tuple(writes), positions
+            return "inplace", _heads_first(value, w), root, tuple(writes), positions
         if is_op(x, "cat"):
             parts = arg(x, 0, "tensors")
             if isinstance(parts, (list, tuple)) and len(parts) == 2 and all(isinstance(p, fx.Node) for p in parts):
@@ -509,6 +509,23 @@ def _cache_source(k: fx.Node, v: fx.Node, df: _Dataflow, loop_nodes: set[fx.Node
     if kk != vk:
         raise UnrecognizedKVSourceError(f"keys ({kk}) and values ({vk}) come from different kinds of cache at {describe(k)}")
     return CacheSite(kk, kn, vn, kb, vb, kw + vw, kp or vp)
+
+
+def _heads_first(value: Any, write: fx.Node) -> Any:
+    """The written K/V in [B, H, T, D] layout.
+
+    ``cache[rows, :, positions] = x`` takes x as [B, T, H, D] (indexed dims first), which models
+    produce by transposing their [B, H, T, D] keys: undo exactly that one transpose. Other write
+    forms (index_copy_ along the sequence dim, copy_) take [B, H, T, D] already.
+    """
+    if write.op == "call_function" and write.target is operator.setitem:
+        if isinstance(value, fx.Node) and is_op(value, "transpose") and sorted(value.args[1:3]) == [1, 2]:
+            return value.args[0]
+        raise UnrecognizedKVSourceError(
+            f"the cache write {describe(write)} stores {describe(value)}; expected the keys/values transposed "
+            f"from [batch, heads, tokens, head_dim] (x.transpose(1, 2))"
+        )
+    return value
 
 
 def _positions_from_index(index: Any) -> fx.Node | None:

@@ -125,6 +125,7 @@ class SparseDecodeAttentionPass(FlashLoopPass):
                 )
                 outs = [graph.call_function(operator.getitem, (ref, i)) for i in range(6)]
             _replace(site.node, outs[0])
+            self.context.replaced[site.node] = ref
             matched += 1
             keys, count, mass, o_ref, c_ref = outs[1:]
             for depth, fraction in zip(sparse, fractions):
@@ -137,6 +138,7 @@ class SparseDecodeAttentionPass(FlashLoopPass):
                         (later.q, later.k, later.v, k_f, state[0], state[1], o_ref, state[2], site_scale(later)),
                     )
                 _replace(later.node, out)
+                self.context.replaced[later.node] = out
                 matched += 1
         return matched
 

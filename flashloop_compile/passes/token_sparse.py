@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from flashloop_compile.lowering.selection_ops import ratio_fraction, selected_count
-from flashloop_compile.passes.graph import shape_of, val
+from flashloop_compile.passes.graph import runtime_buffer, shape_of, val
 from flashloop_compile.passes.manager import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
 from flashloop_compile.passes.sparse_decode import site_scale
@@ -119,8 +119,8 @@ class TokenSparsePrefillPass(FlashLoopPass):
         tensor_sources, sym_sources, token_names = self._token_sources(gm, structure)
         positions = structure.sites[0].cache.positions
         plan = self.context.plan_for(structure)
-        seq_lens = _constant(gm, "flashloop_seq_lens", plan.seq_lens)
-        last_pos = _constant(gm, "flashloop_last_pos", plan.last_pos)
+        seq_lens = runtime_buffer(gm, "flashloop_seq_lens", plan.seq_lens)
+        last_pos = runtime_buffer(gm, "flashloop_last_pos", plan.last_pos)
         dependent = _dependents(graph, set(tensor_sources) | set(sym_sources), structure)
         final: dict[fx.Node, fx.Node] = {}
         prev_active = None
@@ -167,6 +167,10 @@ class TokenSparsePrefillPass(FlashLoopPass):
                     old.replace_all_uses_with(new)
                     graph.erase_node(old)
                     emitted.env[site.node] = new
+                    self.context.sparse_sites[(d, layer)] = {
+                        "index": index, "q": emitted(site.q), "positions": emitted(site.cache.positions),
+                        "k": emitted(site.cache.k_new), "v": emitted(site.cache.v_new),
+                    }
                 for i, n in enumerate(body):
                     outside = [u for u in n.users if u not in in_body]
                     if not outside:
@@ -230,17 +234,3 @@ def _emit_count(graph: fx.Graph, t: fx.Node, window: int | None, p: int, q: int)
         return budget(t)
     full = graph.call_function(operator.mul, (graph.call_function(operator.floordiv, (t, window)), selected_count(window, None, p, q)))
     return graph.call_function(operator.add, (full, budget(graph.call_function(operator.mod, (t, window)))))
-
-
-def _constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
-    """A get_attr node for a runtime tensor (registered once as a buffer of the graph module)."""
-    if not hasattr(gm, name):
-        gm.register_buffer(name, tensor, persistent=False)
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and n.target == name:
-            return n
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    with gm.graph.inserting_before(first):
-        node = gm.graph.get_attr(name)
-    return node
-

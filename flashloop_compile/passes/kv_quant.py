@@ -1,0 +1,164 @@
+"""KV residual quantization pass: every cache write and read becomes a packed-cache op.
+
+At each attention site (loop d, layer i) with an in-place cache:
+- the dense cache writes are removed; ``flashloop.packed_kv_write`` stores depth d of the
+  step's tokens (an INT4 base at depth 0, INT4 residuals against the reconstructed predecessor
+  at later depths, the BF16 tail ring) after the attention has read the cache;
+- dense attention (SDPA, or token-sparse loops' ``position_attention``) becomes
+  ``flashloop.packed_attention``: the stored prefix read straight from the packed tiles, the
+  step's own tokens exactly (in flight);
+- the sparse-decode ops, which take K/V tensors, get them from ``flashloop.packed_read`` with the
+  step's tokens scattered in (correct; a fused packed reader is future work).
+
+In token-sparse loops only the active rows are written (absent residual = inheritance), and the
+in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
+the exact values, as in the reference. Padded rows (the step plan's lengths) are written as
+position -1, which the ops ignore.
+
+The packed cache belongs to the model's runtime state and is sized from the model's cache
+buffers (batch slots, heads, context, head_dim); its tensors are registered on the graph module.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
+from flashloop_compile.passes.manager import FlashLoopPass
+from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
+from flashloop_compile.passes.sparse_decode import site_scale
+
+__all__ = ["KVResidualQuantizationPass", "mask_positions", "scatter_tokens", "full_positions"]
+
+
+def mask_positions(positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """positions [B, T] with padding (position >= the planned length of its row) set to -1."""
+    lens = seq_lens[: positions.shape[0], None].to(positions.dtype)
+    return torch.where((lens < 0) | (positions < lens), positions, torch.full_like(positions, -1))
+
+
+def scatter_tokens(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """base [B, H, T, D] with tokens index[b, k] replaced by rows [B, H, K, D] (a new tensor)."""
+    idx = index[:, None, :, None].expand(-1, base.shape[1], -1, base.shape[3])
+    return torch.scatter(base, 2, idx, rows.to(base.dtype))
+
+
+def full_positions(like: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """[B, S] positions 0..S-1 for every row."""
+    return torch.arange(max_seq, device=like.device)[None].expand(like.shape[0], -1)
+
+
+def _scatter_positions(dense: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """dense [B, H, S, D] with the tokens at positions [B, T] (>= 0) replaced by rows [B, H, T, D]."""
+    safe = positions.clamp_min(0)
+    keep = (positions >= 0)[:, None, :, None]
+    current = torch.gather(dense, 2, safe[:, None, :, None].expand(-1, dense.shape[1], -1, dense.shape[3]))
+    merged = torch.where(keep, rows.to(dense.dtype), current)
+    return torch.scatter(dense, 2, safe[:, None, :, None].expand(-1, dense.shape[1], -1, dense.shape[3]), merged)
+
+
+class KVResidualQuantizationPass(FlashLoopPass):
+    group = "kv_residual_quantization"
+
+    def check(self, structure: LoopStructure) -> None:
+        for s in structure.sites:
+            if s.cache is None or s.cache.kind != "inplace" or s.cache.positions is None:
+                kind = "no cache" if s.cache is None else s.cache.kind
+                raise RecognitionError(
+                    f"kv_residual_quantization replaces a KV cache written in place at per-row positions; the "
+                    f"attention at {describe(s.node)} (loop {s.loop + 1}, layer {s.layer}) reads a '{kind}' cache"
+                )
+            if not s.mask_supported:
+                raise RecognitionError(f"kv_residual_quantization cannot rewrite {describe(s.node)}: {s.mask_kind}")
+            shape = shape_of(s.cache.positions)
+            if shape is None or len(shape) != 2:
+                raise RecognitionError(
+                    f"kv_residual_quantization needs per-row positions [batch, tokens] at {describe(s.cache.positions)}"
+                )
+
+    def plan(self, structure: LoopStructure) -> list[str]:
+        n = len(structure.sites)
+        q = self.config.kv_residual_quantization
+        return [
+            f"{n} cache writes -> flashloop.packed_kv_write (INT4 base at loop 1, INT4 residuals at loops "
+            f"2..{structure.num_loops}, group {q.group_size}, BF16 tail {q.tail}..{q.tail + q.group_size - 1})",
+            f"{n} attention sites read the packed cache directly (flashloop.packed_attention)",
+        ]
+
+    def apply(self, gm: fx.GraphModule, structure: LoopStructure) -> int:
+        graph = gm.graph
+        ctx = self.context
+        packed = ctx.packed_for(structure, self.config.kv_residual_quantization)
+        plan = ctx.plan_for(structure)
+        seq_lens = runtime_buffer(gm, "flashloop_seq_lens", plan.seq_lens)
+        model_nodes = [runtime_buffer(gm, f"flashloop_kv_{name}", t) for name, t in zip(_MODEL_NAMES, packed.model_tensors())]
+        layer_nodes = [
+            [runtime_buffer(gm, f"flashloop_kv_l{i}_{name}", t) for name, t in zip(_LAYER_NAMES, packed.layer_tensors(i))]
+            for i in range(structure.num_layers)
+        ]
+        buffers = {s.cache.k_buffer for s in structure.sites} | {s.cache.v_buffer for s in structure.sites}
+        max_seq = packed.max_seq
+        inflight: dict[tuple[int, int], tuple[fx.Node, fx.Node]] = {}
+        for site in structure.sites:
+            d, i = site.loop, site.layer
+            cache_args = tuple(layer_nodes[i]) + tuple(model_nodes)
+            consumer = ctx.follow(site.node)
+            sparse = ctx.sparse_sites.get((d, i))
+            with graph.inserting_before(consumer):
+                all_pos = graph.call_function(mask_positions, (site.cache.positions, seq_lens))
+                if sparse is None:
+                    q, q_pos = site.q, all_pos
+                    k_write, v_write, pos_write = site.cache.k_new, site.cache.v_new, all_pos
+                    k_in, v_in = site.cache.k_new, site.cache.v_new
+                else:
+                    q = sparse["q"]
+                    q_pos = graph.call_function(mask_positions, (sparse["positions"], seq_lens))
+                    k_write, v_write, pos_write = sparse["k"], sparse["v"], q_pos
+                    k_prev, v_prev = inflight[(d - 1, i)]
+                    k_in = graph.call_function(scatter_tokens, (k_prev, sparse["index"], sparse["k"]))
+                    v_in = graph.call_function(scatter_tokens, (v_prev, sparse["index"], sparse["v"]))
+            inflight[(d, i)] = (k_in, v_in)
+            name = op_name(consumer)
+            if name in ("scaled_dot_product_attention", "flashloop.position_attention"):
+                with graph.inserting_before(consumer):
+                    out = graph.call_function(
+                        torch.ops.flashloop.packed_attention.default,
+                        (q, k_in, v_in, q_pos, all_pos, d) + cache_args + (site_scale(site),),
+                    )
+                consumer.replace_all_uses_with(out)
+                graph.erase_node(consumer)
+                ctx.replaced[site.node] = out
+                after = out
+            elif name in ("flashloop.reference_attention", "flashloop.correction_attention"):
+                with graph.inserting_before(consumer):
+                    grid = graph.call_function(full_positions, (all_pos, max_seq))
+                    read = graph.call_function(torch.ops.flashloop.packed_read.default, cache_args + (grid, d))
+                    k_stored = graph.call_function(operator.getitem, (read, 0))
+                    v_stored = graph.call_function(operator.getitem, (read, 1))
+                    k_full = graph.call_function(_scatter_positions, (k_stored, all_pos, k_in))
+                    v_full = graph.call_function(_scatter_positions, (v_stored, all_pos, v_in))
+                args = list(consumer.args)
+                args[1], args[2] = k_full, v_full
+                consumer.args = tuple(args)
+                after = consumer
+            else:
+                raise RecognitionError(f"kv_residual_quantization does not know the attention {describe(consumer)}")
+            with graph.inserting_after(after):
+                graph.call_function(torch.ops.flashloop.packed_kv_write.default, cache_args + (k_write, v_write, pos_write, d))
+        for n in list(graph.nodes):
+            if n.op == "call_function" and n.target is operator.setitem and n.args[0] in buffers:
+                graph.erase_node(n)
+        return len(structure.sites)
+
+
+_LAYER_NAMES = (
+    "k_base", "k_base_min", "k_base_scale", "v_base", "v_base_min", "v_base_scale",
+    "k_res", "k_res_min", "k_res_scale", "v_res", "v_res_min", "v_res_scale",
+    "k_tail", "v_tail", "flushed", "row_count",
+)
+_MODEL_NAMES = ("rows", "depth_count", "res_layout", "overflow")
+
+
