@@ -145,7 +145,238 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--meta", action=argparse.BooleanOptionalAction, default=None,
                    help="trace on the meta device (no weights allocated; default for non-tiny presets)")
     i.set_defaults(func=cmd_inspect)
+    _add_quality_commands(sub)
     return p
+
+
+# -- quality: train, eval, redundancy, calibrate (flashloop_compile/quality; docs/QUALITY.md) -------------
+
+
+def _quality_device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def _quality_model(args: argparse.Namespace):
+    from flashloop_compile.models.ouro import OuroForCausalLM
+
+    device, dtype = _quality_device(args.device), getattr(torch, args.dtype)
+    if args.checkpoint:
+        model = OuroForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=device)
+    else:
+        model = OuroForCausalLM.from_preset(args.preset, dtype=dtype, device=device, seed=args.seed)
+    return model.eval(), args.checkpoint or args.preset
+
+
+def _quality_corpus(args: argparse.Namespace):
+    from flashloop_compile.quality.corpus import Corpus
+
+    kw = {"heldout_percent": args.heldout_percent, "valid_percent": getattr(args, "valid_percent", 3)}
+    return Corpus(root=args.corpus_root, **kw) if args.corpus_root else Corpus(**kw)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _write_outputs(args: argparse.Namespace, payload: dict, markdown: str) -> None:
+    print(markdown)
+    if getattr(args, "json", None):
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(payload, indent=1, sort_keys=True, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if getattr(args, "markdown", None):
+        from pathlib import Path
+
+        Path(args.markdown).write_text(markdown + "\n")
+        print(f"wrote {args.markdown}")
+
+
+def _train_command(args: argparse.Namespace) -> str:
+    """The canonical command line of a parsed ``train`` call: every option spelled out, so the
+    recorded command reproduces the run even if defaults change."""
+    import shlex
+
+    parts = ["python3", "-m", "flashloop_compile.cli", "train"]
+    for key, value in vars(args).items():
+        if key in ("func", "command") or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + key.replace("_", "-"))
+        else:
+            parts += [flag, str(value)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from flashloop_compile.quality.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        layers=args.layers, hidden=args.hidden, head_dim=args.head_dim, intermediate=args.intermediate,
+        seq_len=args.seq_len, batch=args.batch, lr=args.lr, warmup_steps=args.warmup, aux_weight=args.aux_weight,
+        dropout=args.dropout, valid_percent=args.valid_percent, select_best=args.select_best, save_dtype=args.save_dtype,
+        seconds=args.seconds, max_steps=args.max_steps, log_every=args.log_every, eval_every=args.eval_every,
+        seed=args.seed, heldout_percent=args.heldout_percent, compile=args.compile, device=_quality_device(args.device),
+        corpus_max_docs=args.max_docs, corpus_max_doc_bytes=args.max_doc_bytes,
+    )
+    train(cfg, args.out, corpus=_quality_corpus(args), command=_train_command(args),
+          log=lambda m: print(m, flush=True))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from flashloop_compile.quality.evaluate import EvalSettings, parse_configs, quality_table
+
+    model, name = _quality_model(args)
+    configs = parse_configs(args.configs, model.config.num_loops)
+    settings = EvalSettings(
+        docs=args.docs, contexts=_ints(args.contexts), continuation=args.continuation,
+        retrieval_context=args.retrieval_context, depths=_floats(args.depths), retrieval_trials=args.trials,
+        n_boot=args.n_boot, seed=args.seed, split=args.split,
+    )
+    title = f"Quality vs dense: {name}"
+
+    def save_partial(rep) -> None:  # keep what is done if the run is cut short
+        from pathlib import Path
+
+        if args.json:
+            Path(args.json).write_text(json.dumps(rep.to_json(), indent=1, sort_keys=True, default=str) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(rep.to_markdown(title + " (partial)") + "\n")
+
+    report = quality_table(model, configs, settings, corpus=_quality_corpus(args), model_name=name,
+                           retrieval=args.trials > 0 and bool(settings.depths), max_seconds=args.max_seconds,
+                           progress=lambda m: print(m, flush=True), on_config=save_partial)
+    _write_outputs(args, report.to_json(), report.to_markdown(title))
+    return 0
+
+
+def cmd_redundancy(args: argparse.Namespace) -> int:
+    from flashloop_compile.quality.corpus import ByteTokenizer
+    from flashloop_compile.quality.redundancy import redundancy_report, report_markdown
+
+    model, name = _quality_model(args)
+    seqs = _quality_corpus(args).sequences(args.split, args.seqs, args.seq_len, ByteTokenizer(model.config.vocab_size))
+    report = redundancy_report(model, seqs, retention=_floats(args.retention), key_fraction=args.key_fraction,
+                               group_size=args.group_size)
+    report["model"] = name
+    _write_outputs(args, report, report_markdown(report, f"Redundancy report: {name} ({args.split} split, {args.seqs} x {args.seq_len} tokens)"))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flashloop_compile.quality.calibrate import calibrate
+    from flashloop_compile.quality.corpus import ByteTokenizer
+
+    model, name = _quality_model(args)
+    base = FlashLoopConfig.from_dict(json.loads(args.base)) if args.base else FlashLoopConfig.all_on()
+    seqs = _quality_corpus(args).sequences(args.split, args.seqs, args.seq_len, ByteTokenizer(model.config.vocab_size))
+    result = calibrate(model, seqs, args.threshold, base=base, per_loop_key_fraction=args.per_loop_key_fraction,
+                       strict=args.strict)
+    payload = result.to_json()
+    payload["model"] = name
+    if args.out:
+        Path(args.out).write_text(json.dumps(result.config.to_dict(), indent=2, sort_keys=True) + "\n")
+        print(f"wrote {args.out} (flat FlashLoopConfig: --options / FlashLoopConfig.from_dict)")
+    _write_outputs(args, payload, result.to_markdown())
+    return 0
+
+
+def _add_quality_commands(sub) -> None:
+    def source(sp: argparse.ArgumentParser) -> None:
+        src = sp.add_mutually_exclusive_group()
+        src.add_argument("--preset", default="tiny", help="random-init model shape (default tiny)")
+        src.add_argument("--checkpoint", help="HF-layout model directory (config.json + model.safetensors)")
+        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+        sp.add_argument("--seed", type=int, default=0)
+
+    def corpus(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--corpus-root", help="directory of *.py documents (default: this interpreter's stdlib)")
+        sp.add_argument("--heldout-percent", type=int, default=5)
+
+    def outputs(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--json", help="write the full results as JSON here")
+        sp.add_argument("--markdown", help="write the markdown tables here")
+
+    t = sub.add_parser("train", help="train a small Ouro model from scratch on the stdlib source (byte level)")
+    t.add_argument("--out", required=True, help="checkpoint directory (HF layout + train_log.txt + command.txt)")
+    t.add_argument("--seconds", type=float, default=300.0, help="training time budget (the LR schedule spans it)")
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--layers", type=int, default=6)
+    t.add_argument("--hidden", type=int, default=256)
+    t.add_argument("--head-dim", type=int, default=64)
+    t.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3 x hidden)")
+    t.add_argument("--seq-len", type=int, default=1024)
+    t.add_argument("--batch", type=int, default=64)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--aux-weight", type=float, default=0.3, help="weight of the earlier loops' mean cross-entropy")
+    t.add_argument("--dropout", type=float, default=0.1, help="residual dropout while training")
+    t.add_argument("--valid-percent", type=int, default=3, help="share of files (by path hash) for checkpoint selection")
+    t.add_argument("--select-best", action=argparse.BooleanOptionalAction, default=True,
+                   help="save the weights with the best valid bits/byte (else the last step's)")
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--eval-every", type=int, default=100, help="valid bits/byte every this many steps (a multiple of --log-every)")
+    t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the loss")
+    t.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the saved weights (the model is evaluated as saved)")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--max-docs", type=int, default=None, help="use only the first N train documents (tests)")
+    t.add_argument("--max-doc-bytes", type=int, default=None, help="truncate every document (tests)")
+    corpus(t)
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="held-out perplexity and needle retrieval per FlashLoop config vs dense, with CIs")
+    source(e)
+    corpus(e)
+    e.add_argument("--configs", nargs="+", default=["default"],
+                   help="set names (default, combos, sweep, full), names like all-on@retention=0.5/0.25@keep_last, or .json files")
+    e.add_argument("--docs", type=int, default=16, help="held-out documents per context length")
+    e.add_argument("--contexts", default="1024,2048", help="context lengths (tokens), comma-separated")
+    e.add_argument("--continuation", type=int, default=32, help="scored tokens after each context (<= 64 keeps one decode call exact)")
+    e.add_argument("--retrieval-context", type=int, default=1024)
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (needle start / context)")
+    e.add_argument("--trials", type=int, default=8, help="retrieval prompts per depth (0: no retrieval)")
+    e.add_argument("--n-boot", type=int, default=1000)
+    e.add_argument("--max-seconds", type=float, default=None, help="skip the configs that would not finish within this budget")
+    e.add_argument("--split", default="heldout", choices=["heldout", "train"])
+    outputs(e)
+    e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("redundancy", help="the paper's redundancy findings measured on a model (dense trajectory)")
+    source(r)
+    corpus(r)
+    r.add_argument("--seqs", type=int, default=8)
+    r.add_argument("--seq-len", type=int, default=1024)
+    r.add_argument("--split", default="heldout", choices=["heldout", "train"])
+    r.add_argument("--retention", default="0.25,0.10", help="top-k fractions for coverage and nestedness")
+    r.add_argument("--key-fraction", type=float, default=0.10)
+    r.add_argument("--group-size", type=int, default=64)
+    outputs(r)
+    r.set_defaults(func=cmd_redundancy)
+
+    c = sub.add_parser("calibrate", help="derive retention and key fraction from calibration sequences and an error threshold")
+    source(c)
+    corpus(c)
+    c.add_argument("--seqs", type=int, default=16)
+    c.add_argument("--seq-len", type=int, default=1024)
+    c.add_argument("--split", default="train", choices=["heldout", "train"])
+    c.add_argument("--threshold", type=float, default=0.05)
+    c.add_argument("--base", help="base FlashLoopConfig as flat JSON (default: every feature on)")
+    c.add_argument("--per-loop-key-fraction", action="store_true")
+    c.add_argument("--strict", action="store_true", help="raise retentions until the end-to-end state error is below the threshold too")
+    c.add_argument("--out", help="write the calibrated FlashLoopConfig (flat dict) here")
+    outputs(c)
+    c.set_defaults(func=cmd_calibrate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

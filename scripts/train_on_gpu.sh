@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One device call on an H200: train the quality checkpoint, then a short evaluation, the redundancy
+# report and a calibration of it. Everything lands under $OUT in at most 8 files (what the device
+# tool returns):
+#   ckpt/{config.json, model.safetensors, train_log.txt, command.txt}   the checkpoint (HF layout,
+#                    BF16 weights: 10 MiB, under the tool's 16 MiB per file)
+#   report.md        markdown: training summary, redundancy, calibration, quality table
+#   results.json     the same as JSON (per-document / per-trial raw numbers included)
+#   calibrated_config.json   flat FlashLoopConfig from the calibration
+#   run.log          everything printed
+# Needs only torch (+ safetensors, present on the GPU image) and the interpreter's stdlib source.
+#
+# Time plan on one H200 (wall, machine start excluded; each phase also has a hard timeout):
+#   train 270 s (the first ~60 s are torch.compile's) + ~15 s loading/saving; redundancy ~15 s;
+#   calibration ~15 s; eval: configs in priority order until its 170 s budget is used (the rest is
+#   listed as skipped; run `flashloop-compile eval --configs full` separately for the whole table).
+#   Total about 8.5 minutes.
+#
+#   bash scripts/train_on_gpu.sh                            # writes under $OUT (the device tool sets it)
+#   TRAIN_SECONDS=60 EVAL_SECONDS=40 bash scripts/train_on_gpu.sh   # smoke run
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/quality}
+TRAIN_SECONDS=${TRAIN_SECONDS:-270}
+LAYERS=${LAYERS:-6}
+HIDDEN=${HIDDEN:-256}
+SEQ_LEN=${SEQ_LEN:-1024}
+BATCH=${BATCH:-64}
+LR=${LR:-2e-3}
+COMPILE=${COMPILE:---compile}
+EVAL_DOCS=${EVAL_DOCS:-16}
+EVAL_TRIALS=${EVAL_TRIALS:-8}
+EVAL_CONFIGS=${EVAL_CONFIGS:-default}
+EVAL_SECONDS=${EVAL_SECONDS:-170}
+EVAL_EXTRA_CONFIGS=${EVAL_EXTRA_CONFIGS:-all-on@window=256 all-on@retention=0.5/0.25 all-on@key_fraction=0.25 tsp+sda}
+REDUNDANCY_SEQS=${REDUNDANCY_SEQS:-8}
+CALIBRATION_SEQS=${CALIBRATION_SEQS:-16}
+ANALYSIS_LEN=${ANALYSIS_LEN:-1024}      # tokens per redundancy / calibration sequence
+CONTEXTS=${CONTEXTS:-1024,2048}         # perplexity contexts: the trained one and 2x
+RETRIEVAL_CONTEXT=${RETRIEVAL_CONTEXT:-1024}
+DEVICE=${DEVICE:-cuda}
+TRAIN_EXTRA=${TRAIN_EXTRA:-}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+CK="$OUT/ckpt"
+TMP=$(mktemp -d)
+PY=${PYTHON:-python3}
+CLI="$PY -m flashloop_compile.cli"
+
+merge() {  # results.json and report.md from whatever parts exist so far (a timeout keeps them)
+  $PY - "$OUT" "$TMP" "$CK" <<'EOF'
+import json, sys
+from pathlib import Path
+out, tmp, ck = map(Path, sys.argv[1:])
+res, md = {}, ["# Quality run", ""]
+log = ck / "train_log.txt"
+if log.is_file():
+    lines = log.read_text().splitlines()
+    summary = next((json.loads(l[len("summary: "):]) for l in lines if l.startswith("summary: ")), None)
+    res["train"] = summary
+    md += ["## Training", "", "```"] + [l for l in lines if l.startswith(("command:", "python", "corpus:", "unigram", "parameters:", "done:", "saved weights:", "held-out", "saved:"))] + ["```", ""]
+for part in ("redundancy", "calibration", "eval"):
+    j, m = tmp / f"{part}.json", tmp / f"{part}.md"
+    if j.is_file():
+        res[part] = json.loads(j.read_text())
+    if m.is_file():
+        md += [m.read_text(), ""]
+(out / "results.json").write_text(json.dumps(res, indent=1, sort_keys=True, default=str) + "\n")
+(out / "report.md").write_text("\n".join(md) + "\n")
+EOF
+}
+
+step() {  # step NAME COMMAND...: run, time, keep going on failure
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  "$@" || echo "=== $name FAILED (exit $?)"
+  echo "=== $name took $((SECONDS - t0)) s"
+  merge
+}
+
+{
+  echo "=== $(date -u) $(hostname); $($PY -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))')"
+  step train timeout $((${TRAIN_SECONDS%.*} + 150)) $CLI train --out "$CK" --seconds "$TRAIN_SECONDS" --layers "$LAYERS" --hidden "$HIDDEN" \
+    --seq-len "$SEQ_LEN" --batch "$BATCH" --lr "$LR" $COMPILE --device "$DEVICE" $TRAIN_EXTRA
+  if [ -f "$CK/model.safetensors" ]; then
+    step redundancy timeout 90 $CLI redundancy --checkpoint "$CK" --device "$DEVICE" --seqs "$REDUNDANCY_SEQS" --seq-len "$ANALYSIS_LEN" \
+      --json "$TMP/redundancy.json" --markdown "$TMP/redundancy.md"
+    step calibration timeout 90 $CLI calibrate --checkpoint "$CK" --device "$DEVICE" --seqs "$CALIBRATION_SEQS" --seq-len "$ANALYSIS_LEN" \
+      --threshold 0.05 --out "$OUT/calibrated_config.json" --json "$TMP/calibration.json" --markdown "$TMP/calibration.md"
+    CAL=""
+    [ -f "$OUT/calibrated_config.json" ] && CAL="$OUT/calibrated_config.json"
+    step eval timeout $((${EVAL_SECONDS%.*} + 60)) $CLI eval --checkpoint "$CK" --device "$DEVICE" \
+      --configs $EVAL_CONFIGS $CAL $EVAL_EXTRA_CONFIGS --max-seconds "$EVAL_SECONDS" --docs "$EVAL_DOCS" \
+      --contexts "$CONTEXTS" --continuation 32 --retrieval-context "$RETRIEVAL_CONTEXT" --depths 0.1,0.5,0.9 --trials "$EVAL_TRIALS" \
+      --json "$TMP/eval.json" --markdown "$TMP/eval.md"
+  fi
+  echo "=== done in $SECONDS s"
+} 2>&1 | tee "$OUT/run.log"
