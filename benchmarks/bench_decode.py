@@ -1,0 +1,162 @@
+"""Decode step time under CUDA graphs at a real Ouro shape: dense vs FlashLoop, same process.
+
+Per (batch, context) the model's decode graph is traced once by Dynamo; each configuration
+compiles a copy of it with the flashloop backend (dense = features off). The caches hold random
+BF16 K/V for `context` positions (the packed cache is written from the same values through the
+packed write op), every row decodes at position context-1, and each configuration's forward is
+captured in a CUDA graph and replayed (median of repeats, CUDA events). Reported per row: step
+time, speedup vs dense, the bytes a step must read (weights once per loop + KV), that floor at the
+measured copy bandwidth, and the achieved share of it.
+
+    python benchmarks/bench_decode.py --shapes 1x32768,4x32768 --deadline 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Deadline, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
+
+CONFIGS = {
+    "dense": {},
+    "quant": {"kv_residual_quantization.enabled": True},
+    "sparse": {"sparse_decode_attention.enabled": True},
+    "sparse+quant": {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True},
+}
+
+
+def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: int, loops: int) -> float:
+    """Bytes of K/V one decode step must read (the floor's KV term)."""
+    from flashloop_compile.config import FlashLoopConfig
+
+    conf = FlashLoopConfig.from_dict(CONFIGS[name])
+    dense_plane = 2 * b * heads * s * dim * 2  # K and V of one (loop, layer) in BF16
+    packed_plane = dense_plane / 4 * (1 + 2 * 2 / 64)  # INT4 codes + FP16 min/scale per 64 values
+    frac = conf.sparse_decode_attention.key_fraction[0] if conf.sparse_decode_attention.enabled else 1.0
+    total = 0.0
+    for depth in range(loops):
+        planes = depth + 1 if conf.kv_residual_quantization.enabled else 1
+        per = packed_plane * planes if conf.kv_residual_quantization.enabled else dense_plane
+        share = frac if (conf.sparse_decode_attention.enabled and depth >= 2) else 1.0
+        total += per * share
+    return total * layers
+
+
+def fill_caches(model, context: int) -> None:
+    """Random K/V in every (loop, layer) slot for positions 0..context-1."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for cache in model.model.kv_caches:
+        for buf in (cache.k_cache, cache.v_cache):
+            buf.zero_()
+            buf[:, :, :context].normal_(generator=g)
+
+
+def fill_packed(model, context: int) -> None:
+    """Write the dense caches' values into the packed cache (all depths, all positions)."""
+    from flashloop_compile.lowering.packed_ops import packed_kv_write
+    from flashloop_compile.runtime.state import state_for_model
+
+    packed = state_for_model(model).extras["packed"]
+    packed.reset()
+    cfg = model.config
+    b = model.model.kv_caches[0].k_cache.shape[0]
+    pos = torch.arange(context, device="cuda")[None].expand(b, -1).contiguous()
+    for layer in range(cfg.num_hidden_layers):
+        for depth in range(cfg.num_loops):
+            c = model.model.cache_at(depth, layer)
+            k = c.k_cache[:, :, :context].contiguous()
+            v = c.v_cache[:, :, :context].contiguous()
+            packed_kv_write(packed, layer, k, v, pos, depth)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--shapes", default="1x32768,4x32768,1x8192,4x8192")
+    ap.add_argument("--configs", default="dense,quant,sparse,sparse+quant")
+    ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True,
+                    help="FlashLoop configs compile each distinct layer once (compilation.outline_layers)")
+    ap.add_argument("--dense-whole", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time dense compiled as one whole graph (plain inductor) at the first shape")
+    ap.add_argument("--deadline", type=float, default=480)
+    args = ap.parse_args()
+    deadline = Deadline(args.deadline)
+
+    from flashloop_compile.models.ouro import OuroForCausalLM
+
+    bw = copy_bandwidth_gbs()
+    record("decode", {"kind": "copy_bandwidth", "gbs": bw})
+    model = OuroForCausalLM.from_preset(args.preset, dtype=torch.bfloat16, device="cuda").eval()
+    cfg = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for si, shape in enumerate(args.shapes.split(",")):
+        b, s = map(int, shape.split("x"))
+        if not deadline.allows(120):
+            record("decode", {"kind": "skipped", "shape": shape, "reason": "deadline"})
+            continue
+        model.clear_caches()
+        gc.collect()
+        torch.cuda.empty_cache()
+        model.setup_caches(b, s)
+        fill_caches(model, s - 1)
+        ids = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda")
+        pos = torch.full((b, 1), s - 1, device="cuda")
+        t0 = time.perf_counter()
+        gm, inputs = capture_graph(model, ids, pos)
+        trace_s = time.perf_counter() - t0
+        dense_ms: dict[str, float] = {}
+        variants = [(n, {**CONFIGS[n], "compilation.outline_layers": args.outline}) for n in args.configs.split(",")]
+        if args.dense_whole and si == 0:
+            variants.insert(0, ("dense-whole", {}))
+        for name, options in variants:
+            if not deadline.allows(150 if name == "dense-whole" else 60):
+                record("decode", {"kind": "skipped", "shape": shape, "config": name, "reason": "deadline"})
+                continue
+            try:
+                fn, pass_s, report = compile_variant(gm, inputs, options)
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    out = fn(*inputs)
+                torch.cuda.synchronize()
+                compile_s = pass_s + time.perf_counter() - t1
+                if options.get("kv_residual_quantization.enabled"):
+                    fill_packed(model, s - 1)
+                with torch.no_grad():
+                    timing, _ = graph_replay_ms(lambda: fn(*inputs))
+            except torch.cuda.OutOfMemoryError as e:
+                record("decode", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
+                torch.cuda.empty_cache()
+                continue
+            ms = timing["median_ms"]
+            base = name.split("-")[0] if name == "dense-whole" else name
+            kv = kv_read_bytes(base if base in CONFIGS else "dense", b, s, cfg, cfg.num_key_value_heads, cfg.head_dim,
+                               cfg.num_hidden_layers, cfg.num_loops)
+            floor_ms = (weight_bytes * cfg.num_loops + kv) / (bw * 1e9) * 1e3
+            if name.startswith("dense"):
+                dense_ms[name] = ms
+            best_dense = min(dense_ms.values()) if dense_ms else None
+            record("decode", {
+                "kind": "decode_step", "preset": args.preset, "batch": b, "context": s, "config": name,
+                "options": options, "ms": ms, "p10_ms": timing["p10_ms"], "p90_ms": timing["p90_ms"],
+                "speedup_vs_dense": (best_dense / ms) if best_dense else None,
+                "dense_ms": dense_ms,
+                "kv_read_gb": kv / 1e9, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms,
+                "achieved_gbs": (weight_bytes * cfg.num_loops + kv) / (ms * 1e-3) / 1e9,
+                "trace_s": trace_s, "compile_s": compile_s, "report": str(report),
+                "max_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+            })
+            del fn, out
+        del gm, inputs
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

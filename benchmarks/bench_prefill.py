@@ -1,0 +1,109 @@
+"""Prefill latency at a real Ouro shape: dense vs token-sparse vs all features, same process.
+
+Per (batch, tokens) the prefill graph is traced once by Dynamo (dynamic token dimension, caches
+sized to the prompt as the dense baseline needs); each configuration compiles a copy with the
+flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak memory per config.
+
+    python benchmarks/bench_prefill.py --shapes 1x8192,1x32768 --deadline 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Deadline, capture_graph, compile_variant, cuda_time_ms, record  # noqa: E402
+
+CONFIGS = {
+    "dense": {},
+    "token_sparse": {"token_sparse_prefill.enabled": True},
+    "all_on": {
+        "token_sparse_prefill.enabled": True,
+        "sparse_decode_attention.enabled": True,
+        "kv_residual_quantization.enabled": True,
+    },
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--shapes", default="1x8192,1x32768,1x4096,4x4096")
+    ap.add_argument("--configs", default="dense,token_sparse,all_on")
+    ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--deadline", type=float, default=480)
+    args = ap.parse_args()
+    deadline = Deadline(args.deadline)
+
+    from flashloop_compile.models.ouro import OuroForCausalLM
+    from flashloop_compile.runtime.state import state_for_model
+
+    model = OuroForCausalLM.from_preset(args.preset, dtype=torch.bfloat16, device="cuda").eval()
+    cfg = model.config
+    for shape in args.shapes.split(","):
+        b, t = map(int, shape.split("x"))
+        if not deadline.allows(150):
+            record("prefill", {"kind": "skipped", "shape": shape, "reason": "deadline"})
+            continue
+        model.clear_caches()
+        gc.collect()
+        torch.cuda.empty_cache()
+        model.setup_caches(b, t)
+        ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+        pos = torch.arange(t, device="cuda")[None].expand(b, -1).contiguous()
+        t0 = time.perf_counter()
+        gm, inputs = capture_graph(model, ids, pos, dynamic_tokens=True)
+        trace_s = time.perf_counter() - t0
+        dense_ms = None
+        for name in args.configs.split(","):
+            if not deadline.allows(90):
+                record("prefill", {"kind": "skipped", "shape": shape, "config": name, "reason": "deadline"})
+                continue
+            options = {**CONFIGS[name], "compilation.outline_layers": args.outline}
+            try:
+                fn, pass_s, report = compile_variant(gm, inputs, options)
+                state = state_for_model(model)
+                packed = state.extras.get("packed") if state else None
+
+                def run():
+                    if packed is not None:
+                        packed.reset()
+                    return fn(*inputs)
+
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    run()
+                torch.cuda.synchronize()
+                compile_s = pass_s + time.perf_counter() - t1
+                torch.cuda.reset_peak_memory_stats()
+                with torch.no_grad():
+                    timing = cuda_time_ms(run, warmup=1, repeat=args.repeat)
+                peak = torch.cuda.max_memory_allocated() / 1e9
+            except torch.cuda.OutOfMemoryError as e:
+                record("prefill", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
+                torch.cuda.empty_cache()
+                continue
+            ms = timing["median_ms"]
+            if name == "dense":
+                dense_ms = ms
+            record("prefill", {
+                "kind": "prefill", "preset": args.preset, "batch": b, "tokens": t, "config": name, "options": options,
+                "ms": ms, "p10_ms": timing["p10_ms"], "p90_ms": timing["p90_ms"],
+                "speedup_vs_dense": (dense_ms / ms) if dense_ms else None, "peak_memory_gb": peak,
+                "trace_s": trace_s, "compile_s": compile_s, "report": str(report),
+            })
+            del fn
+        del gm, inputs
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

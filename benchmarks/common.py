@@ -1,0 +1,129 @@
+"""Shared benchmark plumbing: timing with CUDA events, the measured copy bandwidth, a deadline,
+records (JSON lines) with the environment, and capturing a model's Dynamo graph once so several
+FlashLoop configurations compile from the same trace.
+
+Benchmarks are not tests: they assert correctness before timing, never timing itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+OUT = Path(os.environ.get("OUT", "out"))
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("FLASHLOOP_COMMIT", "unknown")
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": git_commit(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+class Deadline:
+    """Stop starting new work once ``seconds`` have passed since creation."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def allows(self, seconds: float) -> bool:
+        return self.left() > seconds
+
+
+def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> dict[str, float]:
+    """Median (and spread) of ``fn`` timed with CUDA events, after a warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10]}
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    t = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeat=10)["median_ms"]
+    del src, dst
+    return 2 * (nbytes // 2) / (t * 1e-3) / 1e9
+
+
+def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, float], Any]:
+    """Capture ``fn`` in a CUDA graph (after warm-up on a side stream) and time its replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return cuda_time_ms(graph.replay, warmup=3, repeat=repeat), out
+
+
+def record(name: str, row: dict[str, Any]) -> None:
+    """Append one result row (with the environment) to $OUT/<name>.jsonl and print it."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    row = {**environment(), **row}
+    with open(OUT / f"{name}.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def capture_graph(model: torch.nn.Module, *args: Any, dynamic_tokens: bool = False) -> tuple[torch.fx.GraphModule, list]:
+    """One Dynamo trace of ``model(*args)``: the graph and its real example inputs."""
+    got: list = []
+
+    def backend(gm, example_inputs):
+        got.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    if dynamic_tokens:
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 1)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    return got[0]
+
+
+def compile_variant(gm: torch.fx.GraphModule, example_inputs: list, options: Any, inner: str = "inductor"):
+    """Compile a copy of a captured graph with the flashloop backend and ``options``; time it."""
+    from flashloop_compile.backend import last_report, make_backend
+
+    t0 = time.perf_counter()
+    fn = make_backend(options, inner=inner)(copy.deepcopy(gm), example_inputs)
+    return fn, time.perf_counter() - t0, last_report()
