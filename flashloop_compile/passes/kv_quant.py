@@ -102,13 +102,17 @@ class KVResidualQuantizationPass(FlashLoopPass):
         buffers = {s.cache.k_buffer for s in structure.sites} | {s.cache.v_buffer for s in structure.sites}
         max_seq = packed.max_seq
         inflight: dict[tuple[int, int], tuple[fx.Node, fx.Node]] = {}
+        masked: dict[fx.Node, fx.Node] = {}  # one mask_positions per positions node
         for site in structure.sites:
             d, i = site.loop, site.layer
             cache_args = tuple(layer_nodes[i]) + tuple(model_nodes)
             consumer = ctx.follow(site.node)
             sparse = ctx.sparse_sites.get((d, i))
+            if site.cache.positions not in masked:
+                with graph.inserting_before(consumer):
+                    masked[site.cache.positions] = graph.call_function(mask_positions, (site.cache.positions, seq_lens))
+            all_pos = masked[site.cache.positions]
             with graph.inserting_before(consumer):
-                all_pos = graph.call_function(mask_positions, (site.cache.positions, seq_lens))
                 if sparse is None:
                     q, q_pos = site.q, all_pos
                     k_write, v_write, pos_write = site.cache.k_new, site.cache.v_new, all_pos

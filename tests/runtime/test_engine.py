@@ -3,6 +3,8 @@ each feature; chunked prefill; sampling; stop tokens; errors."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -72,3 +74,13 @@ def test_errors_say_what_to_change():
     eng = _engine(model, FlashLoopConfig(), max_seq=32)
     with pytest.raises(ValueError, match="max_seq"):
         eng.generate([PROMPTS[1]], 8)
+
+
+@pytest.mark.parametrize("switches", list(itertools.product([False, True], repeat=3)), ids=lambda s: "".join("TSQ"[i] if on else "-" for i, on in enumerate(s)))
+def test_all_eight_combinations_match_the_reference_through_tail_flushes(switches):
+    # prompts past 128 tokens and 66 new tokens: the tail flushes whole blocks during decode
+    model = tiny()
+    config = FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32})
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 131)]
+    got = _engine(model, config, max_batch=2, max_seq=256).generate(prompts, 66).tokens
+    assert got == [ReferenceFlashLoop(model, config).greedy(p, 66).tolist() for p in prompts]
