@@ -238,14 +238,25 @@ class KVCache(nn.Module):
     place. (Views into one big tensor made inductor copy the whole cache every decode step.)
     """
 
-    def __init__(self, max_batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(
+        self, max_batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype, device: Any, storage: bool = True
+    ) -> None:
         super().__init__()
         shape = (max_batch, kv_heads, max_seq, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        for name in ("k_cache", "v_cache"):
+            # storage=False: a zero-byte stand-in with the cache's shape (every element aliases one
+            # value) for compiled runs whose cache lives elsewhere; an eager write into it fails.
+            buf = torch.zeros(shape, dtype=dtype, device=device) if storage else torch.zeros(1, dtype=dtype, device=device).expand(shape)
+            self.register_buffer(name, buf, persistent=False)
+        self.has_storage = storage
 
     def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k/v [B, Hkv, T, D] at per-row positions input_pos [B, T]; return this batch's K/V."""
+        if not self.has_storage and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "this KV cache was set up without storage (setup_caches(storage=False)): run the model compiled "
+                "with backend='flashloop' and kv_residual_quantization enabled, or call setup_caches(storage=True)"
+            )
         b = k.shape[0]
         rows = torch.arange(b, device=k.device)[:, None]
         self.k_cache[rows, :, input_pos] = k.transpose(1, 2)
@@ -434,15 +445,21 @@ class OuroForCausalLM(nn.Module):
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
     # -- cache ------------------------------------------------------------------------------------
-    def setup_caches(self, max_batch: int, max_seq: int, *, dtype: torch.dtype | None = None, device: Any = None) -> None:
-        """Allocate one K and one V buffer per (loop, layer); zero-filled, allocated once."""
+    def setup_caches(
+        self, max_batch: int, max_seq: int, *, dtype: torch.dtype | None = None, device: Any = None, storage: bool = True
+    ) -> None:
+        """Allocate one K and one V buffer per (loop, layer); zero-filled, allocated once.
+
+        ``storage=False`` allocates nothing: the buffers only describe the cache's shape, for a
+        compiled model whose KV lives in a packed cache (kv_residual_quantization).
+        """
         cfg = self.config
         if max_seq > cfg.max_position_embeddings:
             raise ValueError(f"max_seq={max_seq} exceeds max_position_embeddings={cfg.max_position_embeddings}")
         ref = self.lm_head.weight
         dtype, device = dtype or ref.dtype, device or ref.device
         self.model.kv_caches = nn.ModuleList(
-            KVCache(max_batch, cfg.num_key_value_heads, max_seq, cfg.head_dim, dtype, device)
+            KVCache(max_batch, cfg.num_key_value_heads, max_seq, cfg.head_dim, dtype, device, storage)
             for _ in range(cfg.num_loops * cfg.num_hidden_layers)
         )
 

@@ -78,6 +78,7 @@ class Engine:
         max_batch: int,
         max_seq: int,
         prefill_chunk: int | None = None,
+        max_new_tokens: int | None = None,
         cuda_graphs: bool | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         backend: Any = None,
@@ -97,14 +98,45 @@ class Engine:
         self.device = next(model.parameters()).device
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else cuda_graphs
         self.buckets = tuple(b for b in batch_buckets if b <= max_batch) or (max_batch,)
-        model.setup_caches(max_batch, max_seq)
+        quant = self.config.kv_residual_quantization
+        # with KV quantization the compiled graphs keep K/V in the packed cache only: the model's
+        # dense cache buffers are zero-byte stand-ins that describe the shape
+        model.setup_caches(max_batch, max_seq, storage=not quant.enabled)
         self.state = state_for_model(model)
+        self.packed = None
+        if quant.enabled:
+            self.packed = self._allocate_packed(max_new_tokens)
         # fullgraph: a graph break would hand the backend fragments; the limit: Dynamo falls back to
         # running eagerly (dense) when it is hit, which must be an error here.
         self.compiled = torch.compile(model, backend=backend or make_backend(self.config), fullgraph=True)
         self._dynamo_config = dict(recompile_limit=64, fail_on_recompile_limit_hit=True)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.capture_s = 0.0
+
+    def _allocate_packed(self, max_new_tokens: int | None):
+        """The packed cache, sized for the config (compact residual rows for retained tokens)."""
+        from flashloop_compile.runtime.memory import residual_capacity
+        from flashloop_compile.runtime.packed_kv import PackedKVCache
+
+        cfg, q = self.model.config, self.config.kv_residual_quantization
+        dtype = next(self.model.parameters()).dtype
+        geometry = (cfg.num_hidden_layers, cfg.num_loops, self.max_batch, self.max_seq, cfg.num_key_value_heads,
+                    cfg.head_dim, q.group_size, q.tail)
+        packed = PackedKVCache(
+            *geometry[:6], group_size=q.group_size, tail=q.tail, dtype=dtype, device=self.device,
+            residual_capacity=residual_capacity(self.config, cfg.num_loops, self.max_seq, max_new_tokens),
+        )
+        self.state.extras["packed"], self.state.extras["packed_geometry"] = packed, geometry
+        return packed
+
+    def memory(self):
+        """KV bytes of this engine's caches (see runtime/memory.py)."""
+        from flashloop_compile.runtime.memory import KVMemory
+
+        cfg = self.model.config
+        elem = next(self.model.parameters()).element_size()
+        dense = 2 * cfg.num_loops * cfg.num_hidden_layers * self.max_batch * cfg.num_key_value_heads * self.max_seq * cfg.head_dim * elem
+        return KVMemory(dense, self.packed.nbytes().as_dict() if self.packed is not None else None)
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -215,9 +247,13 @@ class Engine:
     def _generate_wave(self, prompts, max_new_tokens, sampling, stops) -> GenerationResult:
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        if self.packed is not None:
+            self.packed.reset()  # a wave's requests start with empty slots
         sync()
         t0 = time.perf_counter()
         logits = self.prefill(prompts)
+        if self.packed is not None:
+            self.packed.check_overflow()  # outside any captured region
         tok = _sample(logits, sampling, gen)
         sync()
         prefill_s = time.perf_counter() - t0
@@ -239,6 +275,8 @@ class Engine:
                 if not done[i]:
                     tokens[i].append(host[i])
                     done[i] = host[i] in stops[i]
+        if self.packed is not None:
+            self.packed.check_overflow()
         return GenerationResult(tokens, [prefill_s] * b, latencies, prefill_s=prefill_s)
 
 

@@ -84,3 +84,19 @@ def test_all_eight_combinations_match_the_reference_through_tail_flushes(switche
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 131)]
     got = _engine(model, config, max_batch=2, max_seq=256).generate(prompts, 66).tokens
     assert got == [ReferenceFlashLoop(model, config).greedy(p, 66).tolist() for p in prompts]
+
+
+def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
+    model = tiny()
+    config = FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32})
+    # capacities planned for 4 new tokens (loop 4 keeps 10% of a prompt: 128 compact rows);
+    # 300 generated tokens, all active at every loop, need more
+    eng = _engine(model, config, max_batch=2, max_seq=512, max_new_tokens=4)
+    assert all(c.k_cache.untyped_storage().nbytes() <= 4 for c in model.model.kv_caches)
+    mem = eng.memory()
+    assert mem.packed is not None and mem.ratio > 1
+    assert eng.generate([PROMPTS[1]], 4).tokens[0] == ReferenceFlashLoop(model, config).greedy(PROMPTS[1], 4).tolist()
+    from flashloop_compile.runtime.packed_kv import PackedKVOverflowError
+
+    with pytest.raises(PackedKVOverflowError, match="capacity"):
+        eng.generate([PROMPTS[0][:8]], 300)
