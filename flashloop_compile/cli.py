@@ -1,4 +1,4 @@
-"""``flashloop-compile``: generate, inspect.
+"""``flashloop-compile``: generate, inspect, memory, bench, train, eval, redundancy, calibrate.
 
 ``flashloop-compile generate --preset tiny`` is the project's main job on its embedded default:
 it runs dense and FlashLoop on a synthetic prompt and prints the tokens, their agreement and the
@@ -41,6 +41,8 @@ def _synthetic_prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.engine == "compiled":
+        return _generate_compiled(args)
     from flashloop_compile.reference import ReferenceFlashLoop
 
     model = _load_model(args).eval()
@@ -72,6 +74,142 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"min/scale {f_bytes.params:,}, maps {f_bytes.maps:,}, tail {f_bytes.tail:,}); ratio {d_bytes.total / max(f_bytes.total, 1):.2f}x"
     )
     return 0
+
+
+def _generate_compiled(args: argparse.Namespace) -> int:
+    """Dense and FlashLoop through the compiled engine (backend='flashloop'), same prompts."""
+    from flashloop_compile.runtime.engine import Engine
+
+    model = _load_model(args).eval()
+    config = _config(args, default_all_on=True).resolve(model.config.num_loops)
+    prompts = [_synthetic_prompt(model.config.vocab_size, args.prompt_len - 7 * i, args.seed + i) for i in range(args.batch)]
+    max_seq = -(-(args.prompt_len + args.new_tokens) // 64) * 64 + 64
+    print(f"model: {args.checkpoint or args.preset}; {args.batch} prompts of ~{args.prompt_len} tokens, {args.new_tokens} new")
+    runs = {}
+    for name, cfg in (("dense", FlashLoopConfig()), ("flashloop", config)):
+        torch._dynamo.reset()
+        engine = Engine(model, cfg, max_batch=args.batch, max_seq=max_seq, max_new_tokens=args.new_tokens)
+        engine.generate(prompts, 2)  # compile and capture outside the timing
+        t0 = time.perf_counter()
+        result = engine.generate(prompts, args.new_tokens)
+        seconds = time.perf_counter() - t0
+        runs[name] = result
+        toks = sum(len(t) for t in result.tokens)
+        print(f"{name:>9}: TTFT {result.prefill_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.2f} ms, "
+              f"{toks / seconds:.1f} tokens/s; {'; '.join(engine.memory().lines())}")
+    same = sum(a == b for x, y in zip(runs["dense"].tokens, runs["flashloop"].tokens) for a, b in zip(x, y))
+    total = sum(len(x) for x in runs["dense"].tokens)
+    print(f"agreement with dense: {same}/{total} tokens")
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """KV bytes per request and the largest batch that fits, dense vs each configuration."""
+    from flashloop_compile.models.ouro import PRESETS, OuroConfig
+    from flashloop_compile.runtime.memory import kv_memory, max_batch_for
+
+    if args.checkpoint:
+        import json as _json
+        from pathlib import Path
+
+        mcfg = OuroConfig.from_dict(_json.loads((Path(args.checkpoint) / "config.json").read_text()))
+    else:
+        mcfg = PRESETS[args.preset]
+    n_params = (
+        mcfg.vocab_size * mcfg.hidden_size * (1 if mcfg.tie_word_embeddings else 2)
+        + mcfg.num_hidden_layers * (
+            mcfg.hidden_size * mcfg.head_dim * (2 * mcfg.num_attention_heads + 2 * mcfg.num_key_value_heads)
+            + 3 * mcfg.hidden_size * mcfg.intermediate_size + 4 * mcfg.hidden_size
+        )
+    )
+    weights = n_params * 2
+    budget = args.budget_gb * 2**30
+    configs = {"dense": FlashLoopConfig(), "quant": FlashLoopConfig.from_switches(False, False, True),
+               "all_on": FlashLoopConfig.all_on()}
+    if args.options:
+        configs["options"] = _config(args, default_all_on=True)
+    print(f"{'config':>8} {'KV/request GiB':>15} {'ratio':>6} {'max batch':>10}   (context {args.context}, "
+          f"{args.new_tokens} new tokens, budget {args.budget_gb} GiB, BF16 weights {weights / 2**30:.2f} GiB)")
+    for name, cfg in configs.items():
+        km = kv_memory(mcfg, cfg, 1, args.context, max_new_tokens=args.new_tokens)
+        mb = max_batch_for(mcfg, cfg, args.context, budget, weight_bytes=weights, max_new_tokens=args.new_tokens,
+                           reserve_bytes=args.reserve_gb * 2**30)
+        print(f"{name:>8} {km.bytes / 2**30:>15.3f} {km.ratio:>6.2f} {mb:>10}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Prefill / decode / end-to-end grid through the engine: dense, each feature, all on."""
+    import json as _json
+
+    from flashloop_compile.backend import make_backend
+    from flashloop_compile.runtime.engine import Engine
+
+    model = _load_model(args).eval()
+    names = args.configs.split(",")
+    grid = {
+        "dense": {}, "token_sparse": {"token_sparse_prefill.enabled": True},
+        "sparse_decode": {"sparse_decode_attention.enabled": True}, "quant": {"kv_residual_quantization.enabled": True},
+        "all_on": {f"{g}.enabled": True for g in ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")},
+    }
+    rows = []
+    for context in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            for name in names:
+                cfg = FlashLoopConfig.from_dict({**grid[name], "compilation.outline_layers": args.outline})
+                prompts = [_synthetic_prompt(model.config.vocab_size, context, args.seed + i) for i in range(batch)]
+                max_seq = -(-(context + args.new_tokens) // 64) * 64 + 64
+                torch._dynamo.reset()
+                engine = Engine(model, cfg, max_batch=batch, max_seq=max_seq, max_new_tokens=args.new_tokens,
+                                backend=make_backend(cfg, inner=args.inner))
+                engine.generate(prompts, 2)  # compile + capture
+                if model.lm_head.weight.is_cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                result = engine.generate(prompts, args.new_tokens)
+                seconds = time.perf_counter() - t0
+                mem = engine.memory()
+                row = {
+                    "config": name, "context": context, "batch": batch, "new_tokens": args.new_tokens,
+                    "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
+                    "throughput_tok_s": sum(len(t) for t in result.tokens) / seconds,
+                    "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "graphs": result.graphs,
+                    "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if model.lm_head.weight.is_cuda else None,
+                }
+                rows.append(row)
+                print(f"{name:>13} ctx {context:>6} b {batch:>3}: TTFT {row['ttft_ms']:8.1f} ms  TPOT {row['tpot_ms']:7.2f} ms  "
+                      f"{row['throughput_tok_s']:8.1f} tok/s  KV {mem.bytes / 2**20:9.1f} MiB ({mem.ratio:.2f}x)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            _json.dump(rows, f, indent=2)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path}")
+        return
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        sel = [r for r in rows if r["config"] == name and r["batch"] == rows[0]["batch"]]
+        ctx = [r["context"] for r in sel]
+        a1.plot(ctx, [r["ttft_ms"] for r in sel], marker="o", label=name)
+        a2.plot(ctx, [r["tpot_ms"] for r in sel], marker="o", label=name)
+        a3.plot(ctx, [r["kv_bytes"] / 2**20 for r in sel], marker="o", label=name)
+    for ax, title in ((a1, "prefill (TTFT) ms"), (a2, "decode TPOT ms"), (a3, "KV cache MiB")):
+        ax.set_xlabel("context")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
 
 
 def capture_graphs(model, batch: int, prompt_len: int, max_seq: int) -> dict[str, "torch.fx.GraphModule"]:
@@ -107,6 +245,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         model = OuroForCausalLM.from_preset(args.preset, device="meta" if args.meta else "cpu")
     config = _config(args, default_all_on=True).resolve(model.config.num_loops)
     print(f"model: {args.checkpoint or args.preset}; flashloop: {config}")
+    from flashloop_compile.runtime.memory import kv_memory
+
+    for line in kv_memory(model.config, config, args.batch, args.max_seq).lines():
+        print(f"KV cache (batch {args.batch} x {args.max_seq} positions): {line}")
     manager = PassManager(config)
     for phase, gm in capture_graphs(model, args.batch, args.prompt_len, args.max_seq).items():
         structure = recognize(gm)
@@ -135,7 +277,31 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(g)
     g.add_argument("--prompt-len", type=int, default=320)
     g.add_argument("--new-tokens", type=int, default=24)
+    g.add_argument("--engine", choices=["reference", "compiled"], default="reference",
+                   help="reference: the explicit eager FlashLoop (fast on CPU); compiled: backend='flashloop' + CUDA graphs")
+    g.add_argument("--batch", type=int, default=1, help="prompts per batch (compiled engine)")
     g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("memory", help="KV bytes per request and the largest batch that fits a budget, per configuration")
+    model_args(m)
+    m.add_argument("--context", type=int, default=32768)
+    m.add_argument("--new-tokens", type=int, default=256)
+    m.add_argument("--budget-gb", type=float, default=139.0)
+    m.add_argument("--reserve-gb", type=float, default=8.0, help="activations and scratch")
+    m.set_defaults(func=cmd_memory)
+
+    b = sub.add_parser("bench", help="prefill / decode / end-to-end grid: dense, each feature, all on (same run)")
+    model_args(b)
+    b.add_argument("--configs", default="dense,token_sparse,sparse_decode,quant,all_on")
+    b.add_argument("--contexts", default="192,320")
+    b.add_argument("--batches", default="1,2")
+    b.add_argument("--new-tokens", type=int, default=16)
+    b.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
+                   help="compile the rewritten graph with inductor, or run it eagerly (quick CPU runs)")
+    b.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True, help="compile each distinct layer once")
+    b.add_argument("--json")
+    b.add_argument("--plot", help="PNG of TTFT, TPOT and KV memory against context")
+    b.set_defaults(func=cmd_bench)
 
     i = sub.add_parser("inspect", help="print the recognized loop structure and the rewrites each enabled feature makes")
     model_args(i)

@@ -51,3 +51,23 @@ def test_generate_all_off_matches_dense(capsys):
 def test_generate_bad_options(options, message):
     with pytest.raises(ConfigError, match=message):
         main(ARGS + ["--options", json.dumps(options)])
+
+
+def test_memory_reports_ratios_and_max_batch(capsys):
+    assert main(["memory", "--preset", "ouro-1.4b", "--context", "32768", "--new-tokens", "256"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert float(rows["dense"][1]) == 24.0  # 2 x 4 loops x 24 layers x 16 heads x 32768 x 128 x 2 bytes
+    assert float(rows["quant"][2]) > 3.4 and float(rows["all_on"][2]) > float(rows["quant"][2])
+    assert int(rows["all_on"][3]) > int(rows["dense"][3])
+
+
+def test_bench_grid_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--preset", "tiny", "--dtype", "float32", "--inner", "eager", "--contexts", "80", "--batches", "1",
+            "--new-tokens", "3", "--configs", "dense,all_on", "--json", str(out)]
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [r["config"] for r in rows] == ["dense", "all_on"]
+    assert rows[0]["kv_ratio"] == 1.0 and rows[1]["kv_ratio"] > 1.0
+    assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)
