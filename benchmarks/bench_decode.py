@@ -22,7 +22,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
+from common import Deadline, device, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
 
 CONFIGS = {
     "dense": {},
@@ -51,7 +56,7 @@ def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: 
 
 def fill_caches(model, context: int) -> None:
     """Random K/V in every (loop, layer) slot for positions 0..context-1."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device()).manual_seed(0)
     for cache in model.model.kv_caches:
         for buf in (cache.k_cache, cache.v_cache):
             buf.zero_()
@@ -67,14 +72,14 @@ def fill_packed(model, context: int) -> None:
     packed.reset()
     cfg = model.config
     b = model.model.kv_caches[0].k_cache.shape[0]
-    pos = torch.arange(context, device="cuda")[None].expand(b, -1).contiguous()
+    pos = torch.arange(context, device=device())[None].expand(b, -1).contiguous()
     for layer in range(cfg.num_hidden_layers):
         for depth in range(cfg.num_loops):
             c = model.model.cache_at(depth, layer)
             k = c.k_cache[:, :, :context].contiguous()
             v = c.v_cache[:, :, :context].contiguous()
             packed_kv_write(packed, layer, k, v, pos, depth)
-    torch.cuda.synchronize()
+    sync()
 
 
 def main() -> None:
@@ -87,6 +92,7 @@ def main() -> None:
     ap.add_argument("--dense-whole", action=argparse.BooleanOptionalAction, default=True,
                     help="also time dense compiled as one whole graph (plain inductor) at the first shape")
     ap.add_argument("--deadline", type=float, default=480)
+    ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
 
@@ -94,7 +100,7 @@ def main() -> None:
 
     bw = copy_bandwidth_gbs()
     record("decode", {"kind": "copy_bandwidth", "gbs": bw})
-    model = OuroForCausalLM.from_preset(args.preset, dtype=torch.bfloat16, device="cuda").eval()
+    model = OuroForCausalLM.from_preset(args.preset, dtype=getattr(torch, args.dtype), device=device()).eval()
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for si, shape in enumerate(args.shapes.split(",")):
@@ -104,11 +110,11 @@ def main() -> None:
             continue
         model.clear_caches()
         gc.collect()
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
         model.setup_caches(b, s)
         fill_caches(model, s - 1)
-        ids = torch.randint(0, cfg.vocab_size, (b, 1), device="cuda")
-        pos = torch.full((b, 1), s - 1, device="cuda")
+        ids = torch.randint(0, cfg.vocab_size, (b, 1), device=device())
+        pos = torch.full((b, 1), s - 1, device=device())
         t0 = time.perf_counter()
         gm, inputs = capture_graph(model, ids, pos)
         trace_s = time.perf_counter() - t0
@@ -125,7 +131,7 @@ def main() -> None:
                 t1 = time.perf_counter()
                 with torch.no_grad():
                     out = fn(*inputs)
-                torch.cuda.synchronize()
+                sync()
                 compile_s = pass_s + time.perf_counter() - t1
                 if options.get("kv_residual_quantization.enabled"):
                     fill_packed(model, s - 1)
@@ -133,7 +139,7 @@ def main() -> None:
                     timing, _ = graph_replay_ms(lambda: fn(*inputs))
             except torch.cuda.OutOfMemoryError as e:
                 record("decode", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
                 continue
             ms = timing["median_ms"]
             base = name.split("-")[0] if name == "dense-whole" else name
@@ -151,7 +157,7 @@ def main() -> None:
                 "kv_read_gb": kv / 1e9, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms,
                 "achieved_gbs": (weight_bytes * cfg.num_loops + kv) / (ms * 1e-3) / 1e9,
                 "trace_s": trace_s, "compile_s": compile_s, "report": str(report),
-                "max_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+                "max_memory_gb": (torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None),
             })
             del fn, out
         del gm, inputs

@@ -18,7 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, capture_graph, compile_variant, cuda_time_ms, record  # noqa: E402
+from common import Deadline, device, capture_graph, compile_variant, cuda_time_ms, record  # noqa: E402
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
 
 CONFIGS = {
     "dense": {},
@@ -39,13 +44,14 @@ def main() -> None:
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--deadline", type=float, default=480)
+    ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
 
     from flashloop_compile.models.ouro import OuroForCausalLM
     from flashloop_compile.runtime.state import state_for_model
 
-    model = OuroForCausalLM.from_preset(args.preset, dtype=torch.bfloat16, device="cuda").eval()
+    model = OuroForCausalLM.from_preset(args.preset, dtype=getattr(torch, args.dtype), device=device()).eval()
     cfg = model.config
     for shape in args.shapes.split(","):
         b, t = map(int, shape.split("x"))
@@ -54,10 +60,10 @@ def main() -> None:
             continue
         model.clear_caches()
         gc.collect()
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
         model.setup_caches(b, t)
-        ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
-        pos = torch.arange(t, device="cuda")[None].expand(b, -1).contiguous()
+        ids = torch.randint(0, cfg.vocab_size, (b, t), device=device())
+        pos = torch.arange(t, device=device())[None].expand(b, -1).contiguous()
         t0 = time.perf_counter()
         gm, inputs = capture_graph(model, ids, pos, dynamic_tokens=True)
         trace_s = time.perf_counter() - t0
@@ -77,19 +83,19 @@ def main() -> None:
                         packed.reset()
                     return fn(*inputs)
 
-                torch.cuda.synchronize()
+                sync()
                 t1 = time.perf_counter()
                 with torch.no_grad():
                     run()
-                torch.cuda.synchronize()
+                sync()
                 compile_s = pass_s + time.perf_counter() - t1
-                torch.cuda.reset_peak_memory_stats()
+                torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
                 with torch.no_grad():
                     timing = cuda_time_ms(run, warmup=1, repeat=args.repeat)
-                peak = torch.cuda.max_memory_allocated() / 1e9
+                peak = (torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None)
             except torch.cuda.OutOfMemoryError as e:
                 record("prefill", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
                 continue
             ms = timing["median_ms"]
             if name == "dense":

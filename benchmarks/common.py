@@ -40,6 +40,11 @@ def environment() -> dict[str, Any]:
     }
 
 
+def device() -> str:
+    """cuda when present; the CPU only for smoke runs of the scripts (tiny preset)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class Deadline:
     """Stop starting new work once ``seconds`` have passed since creation."""
 
@@ -54,25 +59,35 @@ class Deadline:
 
 
 def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> dict[str, float]:
-    """Median (and spread) of ``fn`` timed with CUDA events, after a warm-up."""
+    """Median (and spread) of ``fn`` timed with CUDA events, after a warm-up (host timer on CPU:
+    smoke runs of the scripts only)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10]}
 
 
 def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    if not torch.cuda.is_available():
+        nbytes = 64 << 20
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device()).random_()
     dst = torch.empty_like(src)
     t = cuda_time_ms(lambda: dst.copy_(src), warmup=3, repeat=10)["median_ms"]
     del src, dst
@@ -81,6 +96,8 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
 
 def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, float], Any]:
     """Capture ``fn`` in a CUDA graph (after warm-up on a side stream) and time its replays."""
+    if not torch.cuda.is_available():
+        return cuda_time_ms(fn, warmup=1, repeat=min(repeat, 3)), fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -191,6 +191,8 @@ class PassManager:
             report.matched[p.name] = p.apply(gm, structure)
             report.cuts = [context.follow(c) for c in report.cuts]
             gm.graph.eliminate_dead_code(is_impure_node=_impure)
+            if report.cuts:
+                report.cuts = _prologue_cut(gm, report.cuts, structure, context)
             gm.graph.lint()
             gm.recompile()
             propagate_fake_values(gm)
@@ -238,6 +240,19 @@ def propagate_fake_values(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if "example_value" not in n.meta and "val" in n.meta:
             n.meta["example_value"] = n.meta["val"]
+
+
+def _prologue_cut(gm: fx.GraphModule, cuts: list[fx.Node], structure: LoopStructure, context: PassContext) -> list[fx.Node]:
+    """Keep a boundary between the prologue and loop 1 when a pass removed the node it was on
+    (the causal mask, say): the node just before loop 1's first surviving node."""
+    alive = set(gm.graph.nodes)
+    if cuts[0] in alive:
+        return cuts
+    first = next((context.follow(n) for n in structure.loops[0] if context.follow(n) in alive), None)
+    rest = [c for c in cuts[1:] if c in alive]
+    if first is None or first.prev.op == "root":
+        return rest
+    return [first.prev] + rest
 
 
 def _impure(n: fx.Node) -> bool:
