@@ -22,12 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, device, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
+from common import Deadline, device, sync, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
 
 CONFIGS = {
     "dense": {},

@@ -45,6 +45,11 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Deadline:
     """Stop starting new work once ``seconds`` have passed since creation."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-import flashloop_compile  # noqa: F401
 from flashloop_compile.backend import last_report
 from flashloop_compile.config import FlashLoopConfig
 

@@ -698,9 +698,8 @@ def _attention_sites(body: list[fx.Node], loop: int, df: _Dataflow, masks: _Mask
             kind = "eager"
         else:
             continue
-        qs, ks = shape_of(q), shape_of(k)
+        qs = shape_of(q)
         q_len = qs[-2] if qs else None
-        k_len = ks[-2] if ks else None
         cache = _cache_source(k, v, df, nodes)
         sites.append(
             AttentionSite(

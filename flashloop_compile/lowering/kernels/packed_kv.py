@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
+
 __all__ = [
     "launch_packed_kv_write",
     "launch_packed_read",
@@ -54,12 +56,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _identity(kernel):
-    return kernel
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -582,7 +580,7 @@ def _combine_kernel(part_ml, part_acc, out, NSPL: tl.constexpr, NSP2: tl.constex
 
 
 def _geometry(tensors):
-    k_base, k_res, k_tail, rows = tensors[0], tensors[6], tensors[12], tensors[16]
+    k_base, k_res, k_tail = tensors[0], tensors[6], tensors[12]
     B, H, S, HD = k_base.shape
     R = k_tail.shape[1]
     G = k_tail.shape[3] // 2
@@ -619,7 +617,7 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 64))
 
 
-def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=_identity) -> None:
+def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap) -> None:
     """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
@@ -650,11 +648,11 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=_identi
         k, v, positions, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth, H, S, R,
-        D=D, G=G, DP=_next_pow2(D), BT=bt, num_warps=4,
+        D=D, G=G, DP=next_pow2(D), BT=bt, num_warps=4,
     )
 
 
-def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=_identity) -> None:
+def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_wrap) -> None:
     """Logical K/V at ``depth`` of positions [B, P] into out_k/out_v [B, H, P, D] (contiguous)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
@@ -663,7 +661,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=_id
     Bc, P = positions.shape
     if P == 0 or Bc == 0:
         return
-    np_ = _next_pow2(D // 2)
+    np_ = next_pow2(D // 2)
     bp = 32 if np_ <= 64 else 16
     if _interpreting():
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
@@ -679,7 +677,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=_id
 
 def launch_packed_attention(
     tensors, q, k_inflight, v_inflight, q_positions, inflight_positions, depth: int, scale: float, out,
-    *, wrap=_identity, num_splits: int | None = None, mode: str | None = None,
+    *, wrap=no_wrap, num_splits: int | None = None, mode: str | None = None,
 ) -> None:
     """Causal attention at ``depth`` into out [B, Hq, T, D] (contiguous); see packed_ops.
 
@@ -697,13 +695,13 @@ def launch_packed_attention(
     mrows = T * qpk
     if mode is None:
         mode = "decode" if mrows <= 64 else "prefill"
-    np_ = _next_pow2(D // 2)
+    np_ = next_pow2(D // 2)
     interp = _interpreting() or q.device.type != "cuda"
     cd = _CDTYPE_CODE[q.dtype]
     dot_t = 0 if (interp or q.dtype == torch.float32) else cd  # the interpreter's bf16 dot is wrong: FP32 there
     p0 = stored_end(q_positions, inflight_positions, S)
     if mode == "decode":
-        bm = 1 if mrows == 1 else max(16, _next_pow2(mrows))
+        bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
         m_tiles = triton.cdiv(mrows, bm)
         ns = num_splits if num_splits is not None else decode_splits(Bc, H, m_tiles, S, bn, q.device)
@@ -738,5 +736,5 @@ def launch_packed_attention(
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](
-            part_ml, part_acc, out, NSPL=nspl, NSP2=_next_pow2(nspl), D=D, DP=_next_pow2(D), CD=cd, num_warps=4,
+            part_ml, part_acc, out, NSPL=nspl, NSP2=next_pow2(nspl), D=D, DP=next_pow2(D), CD=cd, num_warps=4,
         )

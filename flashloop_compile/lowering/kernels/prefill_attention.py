@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashloop_compile.lowering.kernels.common import no_wrap, sm_count
+
 __all__ = ["position_attention_triton", "PrefillConfig", "default_config", "SUPPORTED_HEAD_DIMS"]
 
 LOG2E = 1.4426950408889634
@@ -167,16 +169,6 @@ class PrefillConfig:
     num_stages: int
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def default_config(q: torch.Tensor) -> PrefillConfig:
@@ -196,18 +188,16 @@ def default_config(q: torch.Tensor) -> PrefillConfig:
     else:
         block_m, block_n, warps, stages = 128, 64, 4, 2
     # too few programs to fill the device: halve the query tile (few active queries, long cache)
-    if triton.cdiv(tq, block_m) * b * hq < _sm_count(q.device):
+    if triton.cdiv(tq, block_m) * b * hq < sm_count(q.device):
         block_m, warps = 64, 4
     return PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def _identity(kernel):
-    return kernel
 
 
 def position_attention_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-    *, wrap=_identity, config: PrefillConfig | None = None, out: torch.Tensor | None = None,
+    *, wrap=no_wrap, config: PrefillConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[b, h, i] = softmax_j(q[b, h, i] . k[b, h // G, j] * scale, j <= q_pos[b, i]) @ V;
     0 for rows with q_pos < 0. q [B, Hq, Tq, D], k/v [B, Hkv, S, D] (any strides, same dtype

@@ -58,6 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashloop_compile.lowering.kernels.common import next_pow2, sm_count
+
 __all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
 
 RADIX_BITS = 8  # 4 digits (8, 8, 8, 6 bits) cover the 30-bit probability keys
@@ -453,20 +455,8 @@ class KernelConfig:
 DEFAULT_CONFIG = KernelConfig()
 INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64)
 
-_SM_COUNT: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -536,7 +526,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     kmax = max(capacities)
     rows = b * hq * t
     m_group = g * t
-    n_sm = _sm_count(dev)
+    n_sm = sm_count(dev)
     upcast = dev.type != "cuda"  # the interpreter cannot run bf16 dots
     precision = _dot_precision(q.dtype)
 
@@ -550,7 +540,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         kk = torch.stack([count[i].clamp_max(int(cap)) for i, cap in enumerate(capacities)]).view(f, rows)
 
     # 1. scores + softmax partials (one read of K)
-    block_m = max(16, _next_pow2(min(m_group, 64)))
+    block_m = max(16, next_pow2(min(m_group, 64)))
     m_chunks = _cdiv(m_group, block_m)
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * m_chunks))
     chunk_a, split_a = _split(s, cfg.block_n, want)
@@ -575,7 +565,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     launch(_select_first_kernel, (rows, split_b))(
         probs, part_m, part_l, hist0,
         s, split_a, chunk_b, split_b,
-        SPLIT_A_P2=_next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
+        SPLIT_A_P2=next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
         num_warps=cfg.num_warps_sel,
     )
     above = torch.empty(f, rows, split_b, dtype=torch.int32, device=dev)  # written by the first level
@@ -605,7 +595,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
 
     # 3. O_ref, C_ref and mass in one pass over V, then the split combine
     e_group = (f + 1) * m_group
-    block_e = max(16, _next_pow2(min(e_group, 64)))
+    block_e = max(16, next_pow2(min(e_group, 64)))
     e_chunks = _cdiv(e_group, block_e)
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * e_chunks))
     block_n_pv = cfg.block_n_pv or cfg.block_n
@@ -628,7 +618,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     launch(_pv_combine_kernel, (e_total,))(
         part_o, part_mass, out, o_ref, c_ref, mass,
         rows, e_total, split_c,
-        D=d, SPLIT_P2=_next_pow2(split_c),
+        D=d, SPLIT_P2=next_pow2(split_c),
         num_warps=4,
     )
     return out, keys, count, mass, o_ref, c_ref
@@ -650,7 +640,7 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
     oref_c = o_ref.reshape(rows, d).contiguous()
     cref_c = c_ref.reshape(rows, d).contiguous()
     out = torch.empty_like(q)
-    want = cfg.split_corr or _cdiv(2 * _sm_count(dev), rows)
+    want = cfg.split_corr or _cdiv(2 * sm_count(dev), rows)
     chunk, split = _split(max(kmax, 1), cfg.block_k, want)
     final = split == 1
     if final:
@@ -672,7 +662,7 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
             pm, pl, pacc, mass_c, oref_c, cref_c, out,
             hq, t, split,
             *out.stride(),
-            D=d, SPLIT_P2=_next_pow2(split),
+            D=d, SPLIT_P2=next_pow2(split),
             num_warps=4,
         )
     return out
