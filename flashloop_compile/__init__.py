@@ -25,3 +25,14 @@ __all__ = [
     "Readout",
 ]
 __version__ = "0.1.0"
+
+
+def _register_backend() -> None:
+    # The installed entry point registers backend="flashloop"; a source checkout (the GPU machine
+    # runs the repository as copied) gets the same name on import.
+    from flashloop_compile.backend import register
+
+    register()
+
+
+_register_backend()

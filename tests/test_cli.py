@@ -71,3 +71,18 @@ def test_bench_grid_writes_json(tmp_path, capsys):
     assert [r["config"] for r in rows] == ["dense", "all_on"]
     assert rows[0]["kv_ratio"] == 1.0 and rows[1]["kv_ratio"] > 1.0
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)
+
+
+def test_main_job_runs_without_triton():
+    """The README's main job installs no extras: nothing on its path may import Triton."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from flashloop_compile.cli import main\n"
+        "raise SystemExit(main(['generate', '--preset', 'tiny', '--prompt-len', '70', '--new-tokens', '2']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "agreement with dense" in proc.stdout

@@ -44,7 +44,7 @@ import math
 import torch
 from torch import Tensor
 
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels.common import stored_end
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
 
 __all__ = [
@@ -345,7 +345,7 @@ def packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_posit
     c = _Cache(cache)
     cdt = c.k_tail.dtype
     Bc, Hq, T, D = q.shape
-    p0 = K.stored_end(q_positions, inflight_positions, c.S).tolist()
+    p0 = stored_end(q_positions, inflight_positions, c.S).tolist()
     out = torch.zeros(Bc, Hq, T, D, dtype=torch.float32, device=q.device)
     for b in range(Bc):
         spos = torch.arange(p0[b], device=q.device)
@@ -371,6 +371,13 @@ def packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_posit
 T_ = Tensor  # short alias for the long signatures below
 
 
+def _kernels():
+    """The Triton kernels, imported on first CUDA use (CPU installs need no Triton)."""
+    from flashloop_compile.lowering.kernels import packed_kv
+
+    return packed_kv
+
+
 @torch.library.triton_op(f"{LIB}::packed_kv_write", mutates_args=WRITE_MUTATES)
 def _packed_kv_write(
     k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
@@ -384,7 +391,7 @@ def _packed_kv_write(
     if k.device.type != "cuda":
         torch.ops.flashloop.packed_kv_write_aten(*cache, k, v, positions, depth)
         return
-    K.launch_packed_kv_write(cache, k, v, positions, depth, wrap=torch.library.wrap_triton)
+    _kernels().launch_packed_kv_write(cache, k, v, positions, depth, wrap=torch.library.wrap_triton)
 
 
 @torch.library.triton_op(f"{LIB}::packed_read", mutates_args=())
@@ -402,7 +409,7 @@ def _packed_read(
     shape = (positions.shape[0], k_base.shape[1], positions.shape[1], 2 * k_base.shape[3])
     out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
-    K.launch_packed_read(cache, positions, depth, out_k, out_v, wrap=torch.library.wrap_triton)
+    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, wrap=torch.library.wrap_triton)
     return out_k, out_v
 
 
@@ -420,7 +427,7 @@ def _packed_attention(
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    K.launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
+    _kernels().launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
                               wrap=torch.library.wrap_triton)
     return out
 

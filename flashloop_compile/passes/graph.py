@@ -264,10 +264,6 @@ def runtime_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.No
         return gm.graph.get_attr(name)
 
 
-def linear_weight(n: fx.Node) -> Any:
-    return arg(n, 1, "weight")
-
-
 def sdpa_args(n: fx.Node) -> dict[str, Any]:
     return {
         "q": arg(n, 0, "query"),

@@ -1,10 +1,11 @@
-"""Host-side helpers shared by the kernel launchers."""
+"""Host-side helpers shared by the kernel launchers and the ops (plain torch: importable without
+Triton, which CPU-only installs do not have)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["next_pow2", "sm_count", "no_wrap"]
+__all__ = ["next_pow2", "sm_count", "no_wrap", "stored_end"]
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -27,3 +28,19 @@ def sm_count(device: torch.device) -> int:
 def no_wrap(kernel):
     """Launch a kernel directly (``kernel[grid]``); ops pass ``torch.library.wrap_triton`` instead."""
     return kernel
+
+
+def stored_end(q_positions: torch.Tensor, inflight_positions: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """P0 [B] int32: positions < P0 are read from the store. The first valid in-flight position
+    (padding -1 ignored); a row without valid in-flight keys reads the store up to its last valid
+    query position. On device, no host sync."""
+    big = torch.iinfo(torch.int64).max
+    if inflight_positions.shape[1]:
+        first = torch.where(inflight_positions >= 0, inflight_positions, big).amin(dim=1)
+    else:
+        first = torch.full(inflight_positions.shape[:1], big, dtype=torch.int64, device=inflight_positions.device)
+    if q_positions.shape[1]:
+        qend = q_positions.amax(dim=1).clamp_min(-1) + 1
+    else:
+        qend = torch.zeros(q_positions.shape[:1], dtype=torch.int64, device=q_positions.device)
+    return torch.where(first == big, qend, first).clamp(0, max_seq).to(torch.int32)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
+from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, stored_end
 
 __all__ = [
     "launch_packed_kv_write",
@@ -588,22 +588,6 @@ def _geometry(tensors):
     NB = S // G
     CAPT = k_res.shape[2]
     return B, H, S, D, G, R, NB, CAPT
-
-
-def stored_end(q_positions: torch.Tensor, inflight_positions: torch.Tensor, max_seq: int) -> torch.Tensor:
-    """P0 [B] int32: positions < P0 are read from the store. The first valid in-flight position
-    (padding -1 ignored); a row without valid in-flight keys reads the store up to its last valid
-    query position. On device, no host sync."""
-    big = torch.iinfo(torch.int64).max
-    if inflight_positions.shape[1]:
-        first = torch.where(inflight_positions >= 0, inflight_positions, big).amin(dim=1)
-    else:
-        first = torch.full(inflight_positions.shape[:1], big, dtype=torch.int64, device=inflight_positions.device)
-    if q_positions.shape[1]:
-        qend = q_positions.amax(dim=1).clamp_min(-1) + 1
-    else:
-        qend = torch.zeros(q_positions.shape[:1], dtype=torch.int64, device=q_positions.device)
-    return torch.where(first == big, qend, first).clamp(0, max_seq).to(torch.int32)
 
 
 def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n: int, device: torch.device | None = None) -> int:

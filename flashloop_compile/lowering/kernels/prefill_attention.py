@@ -48,7 +48,7 @@ from flashloop_compile.lowering.kernels.common import no_wrap, sm_count
 __all__ = ["position_attention_triton", "PrefillConfig", "default_config", "SUPPORTED_HEAD_DIMS"]
 
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+from flashloop_compile.lowering.prefill_ops import SUPPORTED_HEAD_DIMS  # noqa: E402
 
 
 @triton.jit
