@@ -58,3 +58,24 @@ def test_entry_point_registered():
     assert "flashloop" in list_backends(exclude_tags=())
     assert lookup_backend("flashloop").__name__ == "flashloop_backend"
 
+
+
+def test_decode_does_not_recompile_as_the_context_grows(tiny_model):
+    """The static per-(loop, layer) cache and tensor positions make every decode step one graph."""
+    from flashloop_compile.backend import make_backend
+
+    calls = []
+    inner = make_backend(FlashLoopConfig.from_switches(False, True, False), inner="eager")
+
+    def counting(gm, example_inputs):
+        calls.append(gm)
+        return inner(gm, example_inputs)
+
+    tiny_model.setup_caches(2, 64)
+    torch._dynamo.reset()
+    fn = torch.compile(tiny_model, backend=counting)
+    with torch.no_grad():
+        for p in range(10, 20):
+            fn(torch.zeros(2, 1, dtype=torch.long), torch.full((2, 1), p))
+    torch._dynamo.reset()
+    assert len(calls) == 1
