@@ -28,6 +28,12 @@ import statistics
 
 import torch
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_times  # noqa: E402
+
 from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_kv as K
 from flashloop_compile.runtime import PackedKVCache
@@ -108,20 +114,8 @@ def flush_l2(buf: torch.Tensor) -> None:
     buf.zero_()
 
 
-def time_calls(fn, repeats: int, warmup: int, l2: torch.Tensor) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        flush_l2(l2)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+def _times(fn, repeats: int, warmup: int, l2: torch.Tensor) -> list[float]:
+    return cuda_times(fn, warmup, repeats, before=lambda: flush_l2(l2))
 
 
 def graph_of(fn):
@@ -168,8 +162,8 @@ def main() -> None:
             dense_v = torch.randn(B, H, S, D, device="cuda", generator=g, dtype=DT)
             scale = 1.0 / math.sqrt(D)
             dense = lambda: torch.nn.functional.scaled_dot_product_attention(q, dense_k, dense_v, scale=scale)  # noqa: E731
-            dense_eager = time_calls(dense, args.repeats, args.warmup, l2)
-            dense_graph = time_calls(graph_of(dense), args.repeats, args.warmup, l2)
+            dense_eager = _times(dense, args.repeats, args.warmup, l2)
+            dense_graph = _times(graph_of(dense), args.repeats, args.warmup, l2)
             dense_bytes = 2 * B * H * S * D * 2 + 2 * B * H * D * 2
             splits = args.splits if args.splits is not None else K.decode_splits(B, H, 1, S, 64, q.device)
             for depth in args.depths:
@@ -185,10 +179,10 @@ def main() -> None:
                 got = P.packed_attention(cache, 0, q, kd, vd, pd, pd, depth, scale)
                 torch.testing.assert_close(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
                 torch.testing.assert_close(packed().float(), ref.float(), atol=1e-2, rtol=1e-2)
-                eager = time_calls(packed, args.repeats, args.warmup, l2)
-                op_eager = time_calls(lambda kd=kd, vd=vd, pd=pd, depth=depth: P.packed_attention(cache, 0, q, kd, vd, pd, pd, depth, scale),
+                eager = _times(packed, args.repeats, args.warmup, l2)
+                op_eager = _times(lambda kd=kd, vd=vd, pd=pd, depth=depth: P.packed_attention(cache, 0, q, kd, vd, pd, pd, depth, scale),
                                       args.repeats, args.warmup, l2)
-                graph = time_calls(graph_of(packed), args.repeats, args.warmup, l2)
+                graph = _times(graph_of(packed), args.repeats, args.warmup, l2)
                 nbytes = packed_bytes(cache, B, n, depth)
                 rec = {
                     "batch": B, "seq": S, "depth": depth, "kv_heads": H, "head_dim": D, "num_splits": splits,

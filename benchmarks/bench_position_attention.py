@@ -28,6 +28,12 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_times  # noqa: E402
+
 from flashloop_compile.lowering import prefill_ops  # noqa: F401  (registers the op)
 from flashloop_compile.lowering.kernels import prefill_attention as pa
 from flashloop_compile.lowering.prefill_ops import position_attention
@@ -62,17 +68,7 @@ def build_mask(q_pos, s):
 
 
 def time_ms(fn, repeats, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    times = cuda_times(fn, warmup, repeats)
     return statistics.median(times), min(times)
 
 

@@ -63,9 +63,10 @@ class Deadline:
         return self.left() > seconds
 
 
-def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> dict[str, float]:
-    """Median (and spread) of ``fn`` timed with CUDA events, after a warm-up (host timer on CPU:
-    smoke runs of the scripts only)."""
+def cuda_times(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30, before: Callable[[], Any] | None = None) -> list[float]:
+    """Milliseconds of each of ``repeat`` calls, timed with CUDA events after a warm-up (a host
+    timer on CPU: smoke runs only). ``before`` runs ahead of every timed call, untimed (e.g. an
+    L2 flush)."""
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
@@ -73,6 +74,8 @@ def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> di
         torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -84,7 +87,12 @@ def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> di
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
+    return times
+
+
+def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> dict[str, float]:
+    """Median (and spread) of :func:`cuda_times`."""
+    times = sorted(cuda_times(fn, warmup, repeat))
     return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10]}
 
 

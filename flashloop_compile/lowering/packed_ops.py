@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from flashloop_compile.lowering.kernels.common import stored_end
+from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
 
 __all__ = [
@@ -54,12 +55,9 @@ __all__ = [
     "packed_kv_write_aten",
     "packed_read_aten",
     "packed_attention_aten",
-    "quantize_groups",
 ]
 
 LIB = "flashloop"
-QMAX = 15
-PARAM_DTYPE = torch.float16
 CACHE_NAMES = LAYER_TENSOR_NAMES + MODEL_TENSOR_NAMES
 WRITE_MUTATES = tuple(n for n in CACHE_NAMES if n != "res_layout")
 
@@ -179,25 +177,6 @@ def _attention_fake(q, k_inflight, v_inflight, q_positions, inflight_positions, 
 # ------------------------------------------------------------------------------------------------
 
 
-def quantize_groups(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`flashloop_compile.reference.codec.quantize`, with the scale's division by 15 written
-    tensor / tensor: on CUDA, ATen divides by a Python scalar through its reciprocal (a different
-    rounding); tensor / tensor is a correctly rounded division on every device, as in the kernels."""
-    xf = x.float()
-    lo = xf.amin(dim=dim, keepdim=True)
-    hi = xf.amax(dim=dim, keepdim=True)
-    minimum = lo.to(PARAM_DTYPE)
-    scale = ((hi - lo) / torch.full_like(hi, float(QMAX))).to(PARAM_DTYPE)
-    m32, s32 = minimum.float(), scale.float()
-    safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
-    codes = torch.where(s32 > 0, torch.round((xf - m32) / safe).clamp(0, QMAX), torch.zeros_like(xf))
-    return codes.to(torch.uint8), minimum, scale
-
-
-def _dequantize(codes: Tensor, minimum: Tensor, scale: Tensor) -> Tensor:
-    return minimum.float() + scale.float() * codes.float()
-
-
 def _pack(codes: Tensor) -> Tensor:
     c = codes.to(torch.uint8)
     return c[..., 0::2] | (c[..., 1::2] << 4)
@@ -233,16 +212,16 @@ def _reconstruct(c: _Cache, b: int, pos: Tensor, depth: int) -> tuple[Tensor, Te
     e = torch.clamp(torch.minimum(dc - 1, torch.full_like(dc, depth)), min=0)
     packed = valid & (pos < c.flushed[b, e].long())
     blk = pos // G
-    k = _dequantize(_unpack(c.k_base[b, :, pos]), c.k_base_min[b, :, blk], c.k_base_scale[b, :, blk])
-    v = _dequantize(
+    k = dequantize(_unpack(c.k_base[b, :, pos]), c.k_base_min[b, :, blk], c.k_base_scale[b, :, blk])
+    v = dequantize(
         _unpack(c.v_base[b, :, pos]).view(H, n, NG, G), c.v_base_min[b, :, pos][..., None], c.v_base_scale[b, :, pos][..., None]
     ).view(H, n, D)
     for j in range(1, depth + 1):
         r = c.rows[j - 1, b, pos].long()
         has = packed & (r >= 0) & (j <= e)
         g = torch.where(has, c.offset[j] + r, torch.zeros_like(r))
-        rk = _dequantize(_unpack(c.k_res[b, :, g]), c.k_res_min[j - 1, b, :, blk], c.k_res_scale[j - 1, b, :, blk])
-        rv = _dequantize(
+        rk = dequantize(_unpack(c.k_res[b, :, g]), c.k_res_min[j - 1, b, :, blk], c.k_res_scale[j - 1, b, :, blk])
+        rv = dequantize(
             _unpack(c.v_res[b, :, g]).view(H, n, NG, G), c.v_res_min[b, :, g][..., None], c.v_res_scale[b, :, g][..., None]
         ).view(H, n, D)
         k = torch.where(has[None, :, None], k + rk, k)
@@ -287,10 +266,10 @@ def packed_kv_write_aten(*args) -> None:
             xk = torch.where(in_call[None, :, None], kb[:, idx.clamp_min(0)], ring_k).float()  # [H, G, D]
             xv = torch.where(in_call[None, :, None], vb[:, idx.clamp_min(0)], ring_v).float()
             if depth == 0:
-                codes, mn, sc = quantize_groups(xk, dim=1)  # K: one group per channel over the block
+                codes, mn, sc = quantize(xk, dim=1)  # K: one group per channel over the block
                 c.k_base[b, :, s : s + G] = _pack(codes)
                 c.k_base_min[b, :, s // G], c.k_base_scale[b, :, s // G] = mn[:, 0], sc[:, 0]
-                codes, mn, sc = quantize_groups(xv.view(H, G, NG, G), dim=-1)  # V: per token per G channels
+                codes, mn, sc = quantize(xv.view(H, G, NG, G), dim=-1)  # V: per token per G channels
                 c.v_base[b, :, s : s + G] = _pack(codes.view(H, G, D))
                 c.v_base_min[b, :, s : s + G], c.v_base_scale[b, :, s : s + G] = mn[..., 0], sc[..., 0]
                 row += G
@@ -307,10 +286,10 @@ def packed_kv_write_aten(*args) -> None:
             if not bool(fits.all()):
                 c.overflow.fill_(1)
             g = off + local[fits]
-            codes, mn, sc = quantize_groups(dk, dim=1)  # block-local K groups over the active rows
+            codes, mn, sc = quantize(dk, dim=1)  # block-local K groups over the active rows
             c.k_res[b, :, g] = _pack(codes[:, fits])
             c.k_res_min[depth - 1, b, :, s // G], c.k_res_scale[depth - 1, b, :, s // G] = mn[:, 0], sc[:, 0]
-            codes, mn, sc = quantize_groups(dv.reshape(H, n, NG, G), dim=-1)
+            codes, mn, sc = quantize(dv.reshape(H, n, NG, G), dim=-1)
             c.v_res[b, :, g] = _pack(codes.view(H, n, D)[:, fits])
             c.v_res_min[b, :, g], c.v_res_scale[b, :, g] = mn[..., 0][:, fits], sc[..., 0][:, fits]
             c.rows[depth - 1, b, apos[fits]] = local[fits].to(torch.int32)

@@ -55,7 +55,9 @@ def quantize(x: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
     minimum = lo.to(PARAM_DTYPE)
-    scale = ((hi - lo) / QMAX).to(PARAM_DTYPE)
+    # tensor / tensor: a correctly rounded division on every device (on CUDA, ATen divides by a
+    # Python scalar through its reciprocal, which rounds differently from the kernels)
+    scale = ((hi - lo) / torch.full_like(hi, float(QMAX))).to(PARAM_DTYPE)
     m32, s32 = minimum.float(), scale.float()
     safe = torch.where(s32 > 0, s32, torch.ones_like(s32))
     codes = torch.where(s32 > 0, torch.round((xf - m32) / safe).clamp(0, QMAX), torch.zeros_like(xf))
