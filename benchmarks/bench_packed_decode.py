@@ -135,6 +135,47 @@ def stats(times: list[float]) -> dict:
     return {"median_ms": statistics.median(times), "p10_ms": qs[0], "p90_ms": qs[-1], "n": len(times)}
 
 
+SWEEP = [  # (name, launcher kwargs): the generic path, then fast-path launch parameters
+    ("generic", {"fast": False}),
+    *[(f"fast bn{bn} w{w} s{st} x{wv}", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}})
+      for bn in (32, 64) for w in (4, 8) for st in (1, 2, 3) for wv in (2, 4)],
+]
+
+
+def sweep(args, l2) -> list[dict]:
+    """Time every SWEEP variant (graph replay, L2 flushed) per (B, S, depth); checked first."""
+    rows = []
+    for S in args.seq:
+        for B in args.batch:
+            cache, step = fill_cache(B, S)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
+            scale = 1.0 / math.sqrt(D)
+            tensors = cache.op_tensors(0)
+            for depth in args.depths:
+                kd, vd, pd = step[depth]
+                ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
+                nbytes = packed_bytes(cache, B, S - 1, depth)
+                for name, kw in SWEEP:
+                    def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth):
+                        out = torch.empty_like(q)
+                        K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
+                        return out
+                    try:
+                        torch.testing.assert_close(fn().float(), ref.float(), atol=1e-2, rtol=1e-2)
+                        ms = statistics.median(_times(graph_of(fn), args.repeats, args.warmup, l2))
+                    except Exception as e:  # a launch configuration that does not compile
+                        rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "error": str(e)[:300]})
+                        print(f"B={B} S={S} depth={depth} {name}: {str(e)[:120]}", flush=True)
+                        continue
+                    rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
+                                 "GBps": nbytes / (ms * 1e-3) / 1e9, "bytes": nbytes})
+                    print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
@@ -143,6 +184,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
+    ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_packed_decode needs a CUDA device")
@@ -151,6 +193,20 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     l2 = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    if args.sweep:
+        rows = sweep(args, l2)
+        with open(os.path.join(out_dir, "packed_sweep.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        best = {}
+        for r in rows:
+            key = (r["batch"], r["seq"], r["depth"])
+            if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+                best[key] = r
+        gen = {(r["batch"], r["seq"], r["depth"]): r for r in rows if r["variant"] == "generic" and "us" in r}
+        for key, r in sorted(best.items()):
+            print(f"best B={key[0]} S={key[1]} depth={key[2]}: {r['variant']} {r['us']:.1f} us ({r['GBps']:.0f} GB/s); "
+                  f"generic {gen[key]['us'] if key in gen else float('nan'):.1f} us")
+        return
     records = []
     for S in args.seq:
         for B in args.batch:

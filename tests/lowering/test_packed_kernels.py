@@ -67,6 +67,15 @@ def test_write_read_attention_match_aten(dtype):
                 for kw in [dict(mode="prefill")] if f < 2 else [dict(num_splits=1 + d)]:
                     out = attention_kernel(ck, 0, q, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+            if f >= 2 and pos.shape[1] == 1 and d in (0, 2, 3):
+                # one query row per kv head: the fast decode path (packed bulk without per-token
+                # resolution) and the generic path, over token-sparse residual rows; a padded row
+                ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
+                q1 = torch.randn(pos.shape[0], H, 1, D, generator=g).to(dtype)
+                ref1 = P.packed_attention_aten(q1, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
+                for kw in (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 32})):
+                    out = attention_kernel(ck, 0, q1, ki, vi, pos, ipos, d, 0.125, **kw)
+                    torch.testing.assert_close(out.float(), ref1.float(), atol=tol, rtol=tol)
         for b, rf in enumerate(fw):
             if rf is not None:
                 lengths[b] = rf.start + rf.n

@@ -33,13 +33,14 @@ explicitly (the interpreter truncates float32 -> bfloat16).
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, stored_end
+from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, sm_count, stored_end
 
 __all__ = [
     "launch_packed_kv_write",
@@ -455,6 +456,84 @@ def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e,
     return m_new, l_i, acc_e, acc_o
 
 
+@triton.jit
+def _fast_decode_tiles(
+    qe, qo, lo, hi, b, h, depth, scale,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    rows, res_layout, m_i, l_i, acc_e, acc_o,
+    B, H, S, NB, CAPT,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, RL: tl.constexpr, BN: tl.constexpr,
+    STAGES: tl.constexpr, CD: tl.constexpr,
+):
+    """Online softmax of one query row (qe/qo [1, NP]) over key tiles lo..hi-1 of BN keys that lie
+    below every depth's flushed boundary (the packed bulk of a long context).
+
+    There the resolution rule needs no per-token state: every position holds its base, and
+    residual j (1 <= j <= depth) is present exactly where rows_j >= 0 (nested sets: a token
+    computed at depth j was computed at every earlier depth), so the loads have no data-dependent
+    branches and the tile loop is software-pipelined. Unused depths (j > depth) are masked off
+    loads (no memory traffic)."""
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    bh = b * H + h
+    i = tl.arange(0, NP)
+    imask = (i < HD)[None, :]
+    kb_codes = k_base + bh * S * HD
+    vb_codes = v_base + bh * S * HD
+    kb_min = k_base_min + bh * NB * D
+    kb_scale = k_base_scale + bh * NB * D
+    vb_min = v_base_min + bh * S * NG
+    vb_scale = v_base_scale + bh * S * NG
+    kr_codes = k_res + bh * CAPT * HD
+    vr_codes = v_res + bh * CAPT * HD
+    vr_min = v_res_min + bh * CAPT * NG
+    vr_scale = v_res_scale + bh * CAPT * NG
+    vgrp = (i // (G // 2))[None, :]
+    for tile in tl.range(lo, hi, num_stages=STAGES):
+        p = tile * BN + tl.arange(0, BN)  # int32: positions < S
+        blk = (tile * BN) // G
+        kp = (blk * D + 2 * i)[None, :]
+        c = tl.load(kb_codes + p[:, None] * HD + i[None, :], mask=imask, other=0).to(tl.int32)
+        ke = tl.load(kb_min + kp, mask=imask, other=0.0).to(tl.float32) + tl.load(kb_scale + kp, mask=imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
+        ko = tl.load(kb_min + kp + 1, mask=imask, other=0.0).to(tl.float32) + tl.load(kb_scale + kp + 1, mask=imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
+        c = tl.load(vb_codes + p[:, None] * HD + i[None, :], mask=imask, other=0).to(tl.int32)
+        vp = p[:, None] * NG + vgrp
+        vmn = tl.load(vb_min + vp, mask=imask, other=0.0).to(tl.float32)
+        vsc = tl.load(vb_scale + vp, mask=imask, other=0.0).to(tl.float32)
+        ve = vmn + vsc * (c & 15).to(tl.float32)
+        vo = vmn + vsc * (c >> 4).to(tl.float32)
+        for j in tl.static_range(1, RL):
+            jm = j <= depth
+            rj = tl.load(rows + ((j - 1) * B + b) * S + p, mask=jm, other=-1)
+            has = rj >= 0
+            h2 = has[:, None] & imask
+            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
+            pk = kp + (((j - 1) * B + b) * H + h) * NB * D
+            c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+            de = tl.load(k_res_min + pk, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(k_res_scale + pk, mask=jm & imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
+            do = tl.load(k_res_min + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(k_res_scale + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
+            ke = tl.where(h2, ke + de, ke)
+            ko = tl.where(h2, ko + do, ko)
+            c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+            vp = g[:, None] * NG + vgrp
+            vmn = tl.load(vr_min + vp, mask=h2, other=0.0).to(tl.float32)
+            vsc = tl.load(vr_scale + vp, mask=h2, other=0.0).to(tl.float32)
+            ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+            vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+        ke = _round_to(ke, CD)
+        ko = _round_to(ko, CD)
+        s = (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1)) * scale  # [BN]
+        m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
+        l_i = l_i * alpha + tl.sum(pr, 0)
+        acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
+        acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
+        m_i = m_new
+    return m_i, l_i, acc_e, acc_o
+
+
 @triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
 def _attn_kernel(
     q, k_in, v_in, q_positions, in_positions, p0,
@@ -468,8 +547,10 @@ def _attn_kernel(
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, QPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
+    FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
 ):
     HD: tl.constexpr = D // 2
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
@@ -493,26 +574,47 @@ def _attn_kernel(
     acc_o = tl.zeros([BM, NP], tl.float32)
     qmax = tl.max(tl.where(qvalid, qpos, -1), 0)
 
-    if z < NSTORED:
-        P0 = tl.load(p0 + b)
+    P0 = tl.load(p0 + b)
+    if FAST:
+        # one query row: splits 0..NSTORED-1 share the tiles below every depth's flushed boundary
+        # (_fast_decode_tiles); split NSTORED takes the rest of the stored prefix (per-token
+        # resolution, the ring) and the in-flight keys. Stored keys (< P0) precede every query.
+        e_ = tl.arange(0, RP)
+        fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= depth, other=2147483647), 0)
+        nfast = tl.minimum(fl_min, P0) // BNF
+        nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
+        tile = (nfast * BNF) // BN
+        t_hi = (P0 + BN - 1) // BN
+        if z < NSTORED:
+            m_i, l_i, acc_e, acc_o = _fast_decode_tiles(
+                qe, qo, (z * nfast) // NSTORED, ((z + 1) * nfast) // NSTORED, b, h, depth, scale,
+                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                rows, res_layout, m_i, l_i, acc_e, acc_o,
+                B, H, S, NB, CAPT, D, G, NP, RL, BNF, STAGES, CD,
+            )
+            t_hi = tile
+    else:
         ntiles = (P0 + BN - 1) // BN
         tile = (z * ntiles) // NSTORED
         t_hi = ((z + 1) * ntiles) // NSTORED
-        while tile < t_hi:
-            kpos = tile.to(tl.int64) * BN + tl.arange(0, BN)
-            pm = kpos < P0
-            ke, ko, ve, vo, kvalid = _reconstruct(
-                kpos, pm, b, h, depth,
-                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-                k_tail, v_tail, flushed, rows, depth_count, res_layout,
-                B, H, S, NB, CAPT, R, D, G, 0, NP, True,
-            )
-            m_i, l_i, acc_e, acc_o = _attend(
-                qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
-                kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
-            )
-            tile += 1
+        if z >= NSTORED:
+            t_hi = tile
+    while tile < t_hi:
+        kpos = tile.to(tl.int64) * BN + tl.arange(0, BN)
+        pm = kpos < P0
+        ke, ko, ve, vo, kvalid = _reconstruct(
+            kpos, pm, b, h, depth,
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+            k_tail, v_tail, flushed, rows, depth_count, res_layout,
+            B, H, S, NB, CAPT, R, D, G, 0, NP, True,
+        )
+        m_i, l_i, acc_e, acc_o = _attend(
+            qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
+            kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
+        )
+        tile += 1
     run_inflight = z == NSTORED
     if FUSED:
         run_inflight = z >= 0
@@ -590,15 +692,21 @@ def _geometry(tensors):
     return B, H, S, D, G, R, NB, CAPT
 
 
-def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n: int, device: torch.device | None = None) -> int:
-    """Splits of the stored key range for the decode kernel: enough programs for about two waves
-    of the device's SMs (static: depends on shapes only), at least 4 key tiles per split."""
-    sms = 132
-    if device is not None and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n: int, device: torch.device | None = None,
+                  waves: int = 2) -> int:
+    """Splits of the stored key range for the decode kernel: enough programs for about ``waves``
+    waves of the device's SMs (static: depends on shapes only), at least 4 key tiles per split."""
+    sms = sm_count(device) if device is not None and device.type == "cuda" else 132
     programs = batch * kv_heads * m_tiles
-    want = max(1, (2 * sms) // max(programs, 1))
-    return max(1, min(want, max_seq // (4 * block_n), 64))
+    want = max(1, (waves * sms) // max(programs, 1))
+    return max(1, min(want, max_seq // (4 * block_n), 128))
+
+
+# Launch parameters of the one-query-row decode fast path. `benchmarks/bench_packed_decode.py
+# --sweep` measures alternatives on the GPU; FLASHLOOP_FAST_DECODE='{"num_warps": 4}' (JSON)
+# overrides entries for a run without editing the defaults.
+FAST_DECODE = {"block_n": 64, "num_warps": 8, "num_stages": 2, "waves": 2}
+FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap) -> None:
@@ -661,7 +769,8 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_
 
 def launch_packed_attention(
     tensors, q, k_inflight, v_inflight, q_positions, inflight_positions, depth: int, scale: float, out,
-    *, wrap=no_wrap, num_splits: int | None = None, mode: str | None = None,
+    *, wrap=no_wrap, num_splits: int | None = None, mode: str | None = None, fast: bool | None = None,
+    tuning: dict | None = None,
 ) -> None:
     """Causal attention at ``depth`` into out [B, Hq, T, D] (contiguous); see packed_ops.
 
@@ -684,17 +793,30 @@ def launch_packed_attention(
     cd = _CDTYPE_CODE[q.dtype]
     dot_t = 0 if (interp or q.dtype == torch.float32) else cd  # the interpreter's bf16 dot is wrong: FP32 there
     p0 = stored_end(q_positions, inflight_positions, S)
+    tune = {**FAST_DECODE, **(tuning or {})}
+    tune["block_n"] = min(tune["block_n"], G)
+    if fast is None:
+        fast = mode in (None, "decode") and mrows == 1
+    if fast and (mrows != 1 or mode == "prefill" or G % tune["block_n"]):
+        raise ValueError(f"the fast decode path needs one query row per kv head and block_n dividing {G}")
+    bnf = tune["block_n"]
+    stages = tune["num_stages"]
     if mode == "decode":
         bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
         m_tiles = triton.cdiv(mrows, bm)
-        ns = num_splits if num_splits is not None else decode_splits(Bc, H, m_tiles, S, bn, q.device)
+        if num_splits is not None:
+            ns = num_splits
+        elif fast:
+            ns = decode_splits(Bc, H, m_tiles, S, bnf, q.device, waves=tune["waves"])
+        else:
+            ns = decode_splits(Bc, H, m_tiles, S, bn, q.device)
         nspl = ns + 1
         part_ml = torch.empty(Bc * Hq * T * nspl * 2, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(Bc * Hq * T * nspl * D, dtype=torch.float32, device=q.device)
         grid = (Bc * H, nspl, m_tiles)
         fused = False
-        warps = 8
+        warps = tune["num_warps"] if fast else 8
     elif mode == "prefill":
         bm = 64
         bn = min(G, 64 if interp else 32)
@@ -716,7 +838,7 @@ def launch_packed_attention(
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
-        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, num_warps=warps,
+        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, num_warps=warps,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](

@@ -89,6 +89,7 @@ def _position_attention_kernel(
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes Python floats as fp64
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late-position) blocks first
     pid_bh = tl.program_id(1)
     b = (pid_bh // HQ).to(tl.int64)
