@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, device, sync, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
+from common import Deadline, error_text, device, sync, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
 
 CONFIGS = {
     "dense": {},
@@ -135,6 +135,9 @@ def main() -> None:
             except torch.cuda.OutOfMemoryError as e:
                 record("decode", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                continue
+            except Exception as e:  # one broken variant must not cost the rest of the run
+                record("decode", {"kind": "error", "shape": shape, "config": name, "error": error_text(e)})
                 continue
             ms = timing["median_ms"]
             base = name.split("-")[0] if name == "dense-whole" else name

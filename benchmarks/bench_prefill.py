@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, device, sync, capture_graph, compile_variant, cuda_time_ms, record  # noqa: E402
+from common import Deadline, error_text, device, sync, capture_graph, compile_variant, cuda_time_ms, record  # noqa: E402
 
 CONFIGS = {
     "dense": {},
@@ -91,6 +91,9 @@ def main() -> None:
             except torch.cuda.OutOfMemoryError as e:
                 record("prefill", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                continue
+            except Exception as e:  # one broken variant must not cost the rest of the run
+                record("prefill", {"kind": "error", "shape": shape, "config": name, "error": error_text(e)})
                 continue
             ms = timing["median_ms"]
             if name == "dense":

@@ -123,6 +123,13 @@ def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, 
     return cuda_time_ms(graph.replay, warmup=3, repeat=repeat), out
 
 
+def error_text(e: BaseException) -> str:
+    """The exception and the end of its traceback, for a result row."""
+    import traceback
+
+    return "".join(traceback.format_exception(e))[-4000:]
+
+
 def record(name: str, row: dict[str, Any]) -> None:
     """Append one result row (with the environment) to $OUT/<name>.jsonl and print it."""
     OUT.mkdir(parents=True, exist_ok=True)

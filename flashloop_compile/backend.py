@@ -64,10 +64,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopCon
     log.info("%s; config %s; passes %s", report, config, manager.uuid())
     _reports.append(report)
     del _reports[:-16]
-    if inner == "eager":
-        compiler = _eager
-    else:
-        from torch._inductor.compile_fx import compile_fx as compiler
+    compiler = _eager if inner == "eager" else _inductor
     if report.cuts:
         from flashloop_compile.passes.outline import outline_segments
 
@@ -79,6 +76,17 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopCon
 
 def _eager(gm: fx.GraphModule, example_inputs: list[Any]):
     return gm.forward
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: list[Any]):
+    """Inductor without the generated module's benchmark harness: the harness needs a size hint
+    for every symbol, and an outlined segment compiled at its first call with a dynamic token
+    count carries the outer graph's symbols without hints (torch 2.11 asserted on CUDA)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with inductor_config.patch(benchmark_harness=False):
+        return compile_fx(gm, example_inputs)
 
 
 def register() -> None:

@@ -9,7 +9,7 @@
 # The interpreter must be off for compiled kernels: tests/conftest.py only turns it on without CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # no install needed
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 SUITE=${SUITE:-tests,decode,prefill}
@@ -18,11 +18,29 @@ start=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
 
 if [[ $SUITE == *tests* ]]; then
-  timeout 150 python3 -m pytest -m gpu -q -x tests/gpu 2>&1 | tail -40 > "$OUT/gpu_tests.log"
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -n 4 --durations=8 tests/gpu > "$OUT/gpu_tests.log" 2>&1
   tail -3 "$OUT/gpu_tests.log"
 fi
+if [[ $SUITE == *sweep* ]]; then
+  # packed decode attention launch parameters; the best (summed over the swept shapes) is used below
+  timeout 150 python3 benchmarks/bench_packed_decode.py --sweep --batch 1 4 --seq 32768 --depths 1 3 \
+    --repeats 20 --warmup 3 > "$OUT/sweep.log" 2>&1
+  grep "^best" "$OUT/sweep.log"
+  best=$(python3 - "$OUT/packed_sweep.json" <<'EOF2'
+import json, sys, collections
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "us" in r]
+keys = {(r["batch"], r["depth"]) for r in rows}
+total = collections.defaultdict(float); seen = collections.Counter()
+for r in rows:
+    total[r["variant"]] += r["us"]; seen[r["variant"]] += 1
+name = min((v for v in total if seen[v] == len(keys) and v != "generic"), key=total.get)
+print(json.dumps(next(r["tuning"] for r in rows if r["variant"] == name)))
+EOF2
+)
+  [[ -n $best ]] && export FLASHLOOP_FAST_DECODE=$best && echo "fast decode tuning: $best"
+fi
 if [[ $SUITE == *decode* ]] && (( $(left) > 150 )); then
-  timeout $(( $(left) - 20 )) python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x32768,4x32768,1x8192,4x8192}" \
+  timeout $(( $(left) - 20 )) python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x32768,4x32768,1x8192,4x8192}" ${DECODE_ARGS:-} \
     --deadline $(( $(left) - 140 )) 2>&1 | tail -60 > "$OUT/decode.log"
   tail -5 "$OUT/decode.log"
 fi
