@@ -138,6 +138,22 @@ class Engine:
         dense = 2 * cfg.num_loops * cfg.num_hidden_layers * self.max_batch * cfg.num_key_value_heads * self.max_seq * cfg.head_dim * elem
         return KVMemory(dense, self.packed.nbytes().as_dict() if self.packed is not None else None)
 
+    def state_tensors(self) -> dict[str, Tensor]:
+        """Every tensor a forward writes, by name: the dense caches that have storage
+        (``dense.{loop * N + layer}.k_cache``) and the packed cache (``packed.layer{i}.{name}``,
+        ``packed.{name}``). Restore them in place (``copy_``): captured graphs hold these addresses."""
+        from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
+
+        out = {}
+        for i, cache in enumerate(self.model.model.kv_caches):
+            if cache.has_storage:
+                out[f"dense.{i}.k_cache"], out[f"dense.{i}.v_cache"] = cache.k_cache, cache.v_cache
+        if self.packed is not None:
+            for layer in range(self.packed.num_layers):
+                out.update({f"packed.layer{layer}.{n}": t for n, t in zip(LAYER_TENSOR_NAMES, self.packed.layer_tensors(layer))})
+            out.update({f"packed.{n}": t for n, t in zip(MODEL_TENSOR_NAMES, self.packed.model_tensors())})
+        return out
+
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
     def _forward(self, ids: Tensor, pos: Tensor, seq_lens: list[int], last_pos: list[int] | None, dynamic: bool) -> Tensor:
@@ -174,32 +190,55 @@ class Engine:
     def _decode_eager(self, tok: Tensor, pos: Tensor) -> Tensor:
         return self._forward(tok, pos, [int(p) + 1 for p in pos[:, 0].tolist()], None, dynamic=False)[:, -1]
 
-    def decode(self, tok: Tensor, pos: Tensor) -> Tensor:
-        """One decode step for rows 0..B-1 (tokens [B], positions [B]); logits [B, V]."""
+    def decode(self, tok: Tensor, pos: Tensor, *, graph: bool = True) -> Tensor:
+        """One decode step for rows 0..B-1 (tokens [B], positions [B]); logits [B, V].
+
+        With CUDA graphs the step replays the graph of the batch's bucket (captured on its first
+        use) and the logits are a view of that graph's static output, overwritten by its next
+        replay. ``graph=False`` runs the compiled model directly at the batch's own size, as a
+        batch past the last bucket does (e.g. to check a replay against direct execution on the
+        same cache state).
+        """
         b = tok.shape[0]
-        bucket = _bucket(b, self.buckets) if self.cuda_graphs else None
+        use_graph = self.cuda_graphs and graph
+        bucket = _bucket(b, self.buckets) if use_graph else None
         if bucket is None:
-            if self.cuda_graphs:
+            if use_graph:
                 warnings.warn(f"decode batch {b} is outside the CUDA-graph buckets {self.buckets}: running without a graph")
             return self._decode_eager(tok[:, None], pos[:, None])
         key = ("decode", bucket, self.config.hash())
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket)
-        graph, static_tok, static_pos, static_out = self._graphs[key]
+        cuda_graph, static_tok, static_pos, static_out = self._graphs[key]
         static_tok.zero_()
         static_pos.zero_()
         static_tok[:b, 0] = tok
         static_pos[:b, 0] = pos
         # plan: real rows only; padded rows write position 0 of their (unused) slots
         self.state.plan.set([int(p) + 1 for p in pos.tolist()] + [1] * (bucket - b))
-        graph.replay()
+        cuda_graph.replay()
         return static_out[:b]
+
+    def _capture_inputs(self, bucket: int) -> tuple[Tensor, Tensor]:
+        """Static inputs of a bucket's decode graph, planned for the warm-up and capture forwards.
+
+        Those forwards run at a bucket's first decode step, while requests are live in slots
+        0..bucket-1, so they must leave their state alone: every row feeds token 0 at the scratch
+        position max_seq - 1, planned as padding (length max_seq - 1). The packed cache stores
+        nothing for a padding token; the dense cache is written at max_seq - 1 only, a position
+        generation never feeds (prompt + new tokens <= max_seq) and that any forward feeding it
+        writes before reading it (attention is causal). Feeding position 0 instead overwrote the
+        first prompt token's K/V (and, packed, a live tail slot) of every row.
+        """
+        scratch = self.max_seq - 1
+        static_tok = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
+        static_pos = torch.full((bucket, 1), scratch, dtype=torch.long, device=self.device)
+        self.state.plan.set([scratch] * bucket)
+        return static_tok, static_pos
 
     def _capture(self, bucket: int):
         t0 = time.perf_counter()
-        static_tok = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
-        static_pos = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
-        self.state.plan.set([1] * bucket)
+        static_tok, static_pos = self._capture_inputs(bucket)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad(), torch._dynamo.config.patch(**self._dynamo_config):

@@ -1,5 +1,6 @@
 """Engine: ragged batched generation equals each prompt alone and the reference, for dense and
-each feature; chunked prefill; sampling; stop tokens; errors."""
+each feature; chunked prefill; sampling; stop tokens; errors; decode without a graph on request;
+capture forwards that leave live requests alone (the CUDA-graph checks: tests/gpu/test_engine_gpu.py)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,51 @@ def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
 
     with pytest.raises(PackedKVOverflowError, match="capacity"):
         eng.generate([PROMPTS[0][:8]], 300)
+
+
+@pytest.mark.parametrize("switches", [(False, False, False), (True, True, True)], ids=["dense", "all_on"])
+def test_capture_forwards_leave_live_requests_untouched(switches):
+    # a bucket's graph is captured at its first decode step, with requests live in its slots: the
+    # warm-up and capture forwards (what _capture runs on _capture_inputs) must not change them
+    model = tiny()
+    config = FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32})
+    eng = _engine(model, config, max_seq=256)
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (150, 70, 131)]
+    if eng.packed is not None:
+        eng.packed.reset()
+    eng.prefill(prompts)
+    before = {n: t.clone() for n, t in eng.state_tensors().items()}
+    assert any(n.startswith("packed" if switches[2] else "dense") for n in before)
+    with torch.no_grad():
+        eng.compiled(*eng._capture_inputs(4))
+    scratch = eng.max_seq - 1  # the only position the dense cache may take
+    for name, got in eng.state_tensors().items():
+        want = before[name]
+        if name.startswith("dense"):
+            want, got = want[:, :, :scratch], got[:, :, :scratch]
+        assert torch.equal(want, got), f"capture inputs changed {name}"
+
+
+def test_decode_graph_false_runs_the_compiled_model_without_a_graph():
+    model = tiny()
+    config = FlashLoopConfig.from_switches(False, True, False)
+    tok, pos = torch.tensor([5, 6, 7]), torch.tensor([13, 30, 21])
+    plain = _engine(model, config, cuda_graphs=False)
+    plain.prefill(PROMPTS)
+    expected = plain.decode(tok, pos)
+    # cuda_graphs=True on the CPU: a graph step would capture (CUDA only); graph=False must not
+    eng = _engine(model, config, cuda_graphs=True)
+    captured = []
+
+    def capture(bucket):
+        captured.append(bucket)
+        raise RuntimeError("capture")
+
+    eng._capture = capture
+    eng.prefill(PROMPTS)
+    got = eng.decode(tok, pos, graph=False)
+    assert captured == [] and eng.num_graphs == 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="capture"):
+        eng.decode(tok, pos)  # the default path takes the bucket's graph: 3 rows -> bucket 4
+    assert captured == [4]

@@ -1,0 +1,448 @@
+"""End-to-end generation through the engine (issue 7): dense vs all features on, same process,
+both decoding under the engine's CUDA graphs (one graph per engine: its batch is its only bucket).
+
+Part 1, per shape ``BxPROMPT+NEW`` and configuration: an Engine sized for the shape, a warm-up
+``generate`` of 2 tokens (compile + capture), three probe decode steps (to plan the timed run
+against the deadline), then the timed ``generate`` of NEW tokens for B synthetic prompts of PROMPT
+tokens (greedy). Reported: TTFT (the prefill), TPOT (median decode step, host-timed with the
+sampling sync, as the engine measures it), throughput (new tokens of the whole batch per second of
+the whole generate), peak memory of the timed generate (torch.cuda.max_memory_allocated after a
+reset), the engine's KV bytes, the graphs used, and for all-on the speedup over dense of the same
+shape (TTFT, TPOT, end to end) plus token agreement (random weights: informative only).
+
+Part 2 (``--max-batch``), per configuration: the largest batch whose KV fits at
+``--max-batch-context`` by the accounting (runtime/memory.py max_batch_for: the device memory
+minus the weights and ``--reserve-gb``), then verified: an Engine at that batch is allocated, its
+caches are filled *synthetically* (a real B x 32K prefill would cost minutes and its logits alone
+would not fit): random K/V for PROMPT = context - NEW positions, written like a prefill writes
+them (the dense caches directly; the packed cache through ``flashloop.packed_kv_write`` per layer
+and depth in position chunks, loops 3..R for nested subsets of the retention fractions, as
+token-sparse prefill leaves them), and only decode steps are timed: the first one compiles and
+captures, then ``--max-batch-steps`` steps give the step time and the throughput (B / step). If
+that batch runs out of memory the next smaller ones are tried (``--max-batch-retries``). Then an
+Engine at batch + 1 is allocated (caches only, no compile) to see whether it is refused, next to
+what the accounting says it needs.
+
+Work runs in priority order under ``--deadline`` (skipped items are recorded as "skipped"): the
+first shape (dense, all-on), the max-batch part (dense, all-on), the remaining shapes. Rows go to
+$OUT/generate.jsonl (common.record); ``--plot PATH`` draws them (benchmarks/plot_generate.py,
+matplotlib; without it the plot is skipped with a message).
+
+    # GPU machine, from the repository root (no install), results under $OUT; two device calls of
+    # <= 10 min: the first shape + the max-batch part + what else fits, then the other shapes
+    export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+    timeout 590 python benchmarks/bench_generate.py --deadline 540 > $OUT/generate.log 2>&1
+    timeout 590 python benchmarks/bench_generate.py --shapes 4x32768+256,1x8192+256,16x8192+256 --no-max-batch \
+        --deadline 540 > $OUT/generate2.log 2>&1
+    python benchmarks/bench_generate.py --shapes '' --deadline 300          # only the max-batch part
+    # CPU smoke run (tiny preset, rewritten graphs run eagerly, budget = weights + 4 dense slots; < 1 min):
+    python benchmarks/bench_generate.py --preset tiny --dtype float32 --shapes 1x192+8,2x192+8 --max-batch-context 256
+    # afterwards, on the CPU machine (matplotlib installed):
+    python benchmarks/plot_generate.py out/generate.jsonl generate.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import OUT, Deadline, device, error_text, record, sync  # noqa: E402
+
+CONFIGS = {
+    "dense": {},
+    "all_on": {
+        "token_sparse_prefill.enabled": True,
+        "sparse_decode_attention.enabled": True,
+        "kv_residual_quantization.enabled": True,
+    },
+}
+NAME = "generate"
+GIB = 2**30
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'BxPROMPT+NEW' -> (B, PROMPT, NEW)."""
+    try:
+        b, rest = text.split("x")
+        prompt, new = rest.split("+")
+        return int(b), int(prompt), int(new)
+    except ValueError:
+        raise SystemExit(f"--shapes: expected BxPROMPT+NEW (e.g. 4x32768+256), got {text!r}") from None
+
+
+def round_up(n: int, m: int = 64) -> int:
+    return -(-n // m) * m
+
+
+def free_memory(model) -> None:
+    """Drop the engine's caches and compiled graphs (call after deleting the engine)."""
+    torch._dynamo.reset()
+    model.clear_caches()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak_gb() -> float | None:
+    return torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None
+
+
+def reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        from flashloop_compile.config import FlashLoopConfig
+        from flashloop_compile.models.ouro import OuroForCausalLM
+
+        self.args = args
+        self.deadline = Deadline(args.deadline)
+        self.dtype = getattr(torch, args.dtype)
+        self.model = OuroForCausalLM.from_preset(args.preset, dtype=self.dtype, device=device(), seed=args.seed).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.inner = args.inner if args.inner != "auto" else ("inductor" if device() == "cuda" else "eager")
+        self.configs = {
+            n: FlashLoopConfig.from_dict({**CONFIGS[n], "compilation.outline_layers": args.outline}) for n in args.configs.split(",")
+        }
+        self.done: dict[tuple, dict] = {}  # (shape, config) -> row (and its tokens), for the speedups
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def engine(self, name: str, batch: int, max_seq: int, new_tokens: int):
+        from flashloop_compile.backend import make_backend
+        from flashloop_compile.runtime.engine import Engine
+
+        cfg = self.configs[name]
+        torch._dynamo.reset()
+        # the batch is the engine's only bucket, so every decode step replays one graph
+        return Engine(self.model, cfg, max_batch=batch, max_seq=max_seq, max_new_tokens=new_tokens, batch_buckets=(batch,),
+                      backend=make_backend(cfg, inner=self.inner))
+
+    def base(self, name: str) -> dict:
+        cfg = self.configs[name]
+        return {"preset": self.args.preset, "dtype": self.args.dtype, "config": name, "config_hash": cfg.hash(),
+                "options": cfg.to_dict(), "inner": self.inner, "outline": self.args.outline}
+
+    def guarded(self, what: dict, fn) -> None:
+        """Run one work item; a failure is recorded and the run goes on."""
+        if not self.deadline.allows(self.args.min_item_s):
+            record(NAME, {"kind": "skipped", **what, "reason": f"deadline ({self.deadline.left():.0f} s left)"})
+            return
+        try:
+            fn()
+        except torch.cuda.OutOfMemoryError as e:
+            record(NAME, {"kind": "oom", **what, "error": str(e)[:400]})
+        except Exception as e:  # one broken item must not cost the rest of the run
+            record(NAME, {"kind": "error", **what, "error": error_text(e)})
+        finally:
+            free_memory(self.model)
+
+    # -- part 1: end-to-end generation ------------------------------------------------------------
+    def generate(self, shape: str, name: str) -> None:
+        from flashloop_compile.cli import _synthetic_prompt
+
+        b, prompt, new = parse_shape(shape)
+        vocab = self.model.config.vocab_size
+        prompts = [_synthetic_prompt(vocab, prompt, self.args.seed + i) for i in range(b)]
+        engine = self.engine(name, b, round_up(prompt + new), new)
+        try:
+            sync()
+            t0 = time.perf_counter()
+            warm = engine.generate(prompts, 2)  # compile (prefill + decode) and capture
+            sync()
+            warmup_s = time.perf_counter() - t0
+            # probe decode steps on the warm state: the step time, to fit the timed run in the deadline
+            tok = torch.tensor([t[-1] for t in warm.tokens], device=device())
+            pos = torch.full((b,), prompt + 1, device=device())
+            probe = []
+            for _ in range(max(0, min(3, new - 3))):
+                sync()
+                t1 = time.perf_counter()
+                tok = engine.decode(tok, pos).argmax(-1)
+                sync()
+                probe.append(time.perf_counter() - t1)
+                pos = pos + 1
+            step_est = max(probe) if probe else (max(warm.token_latency_s) if warm.token_latency_s else 0.0)
+            room = self.deadline.left() - self.args.margin_s - warm.prefill_s
+            n_new = new
+            if step_est > 0 and (new - 1) * step_est * 1.2 > room:
+                n_new = max(2, min(new, 1 + int(room / (step_est * 1.2))))
+            reset_peak()
+            sync()
+            t0 = time.perf_counter()
+            result = engine.generate(prompts, n_new)
+            sync()
+            total_s = time.perf_counter() - t0
+            mem = engine.memory()
+            lat = sorted(result.token_latency_s)
+            generated = sum(len(t) for t in result.tokens)
+            row = {
+                "kind": "generate", **self.base(name), "shape": shape, "batch": b, "prompt": prompt,
+                "new_tokens": n_new, "new_tokens_asked": new, "max_seq": engine.max_seq,
+                "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
+                "tpot_p10_ms": lat[len(lat) // 10] * 1e3 if lat else None,
+                "tpot_p90_ms": lat[(9 * len(lat)) // 10] * 1e3 if lat else None,
+                "decode_mean_ms": statistics.fmean(lat) * 1e3 if lat else None,
+                "probe_step_ms": [x * 1e3 for x in probe],
+                "total_s": total_s, "generated_tokens": generated, "throughput_tok_s": generated / total_s,
+                "decode_tok_s": b / result.tpot_s if lat else None,
+                "peak_memory_gb": peak_gb(), "kv_bytes": mem.bytes, "kv_dense_bytes": mem.dense_bytes,
+                "kv_ratio": mem.ratio, "kv_packed": mem.packed,
+                "graphs": engine.num_graphs, "cuda_graphs": engine.cuda_graphs and engine.num_graphs > 0,
+                "capture_s": engine.capture_s, "warmup_s": warmup_s, "weights_gb": self.weight_bytes / 1e9,
+            }
+            dense = self.done.get((shape, "dense"))
+            if name != "dense" and dense is not None:
+                d = dense["row"]
+                row["speedup_vs_dense"] = {
+                    "ttft": d["ttft_ms"] / row["ttft_ms"], "tpot": d["tpot_ms"] / row["tpot_ms"],
+                    "end_to_end": d["total_s"] / total_s if d["new_tokens"] == n_new else None,
+                    "throughput": row["throughput_tok_s"] / d["throughput_tok_s"],
+                    "kv_bytes": d["kv_bytes"] / row["kv_bytes"],
+                }
+                pairs = [(x, y) for a, c in zip(dense["tokens"], result.tokens) for x, y in zip(a, c)]
+                row["agreement_with_dense"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+            self.done[(shape, name)] = {"row": row, "tokens": result.tokens}
+            record(NAME, row)
+        finally:
+            del engine
+
+    def summary(self) -> None:
+        """One line per timed generation (the rows are in $OUT/generate.jsonl)."""
+        for (shape, name), done in self.done.items():
+            r = done["row"]
+            sp = r.get("speedup_vs_dense") or {}
+            e2e = f"  vs dense: e2e {sp['end_to_end']:.2f}x, TPOT {sp['tpot']:.2f}x" if sp.get("end_to_end") else ""
+            print(f"{shape:>14} {name:>7}: TTFT {r['ttft_ms']:9.1f} ms  TPOT {r['tpot_ms']:8.2f} ms  "
+                  f"{r['throughput_tok_s']:9.1f} tok/s  KV {r['kv_bytes'] / GIB:7.2f} GiB{e2e}", flush=True)
+
+    # -- part 2: the largest batch at a long context ----------------------------------------------
+    def budget(self) -> tuple[float, float]:
+        """(budget, reserve) in bytes: the device's memory (or --budget-gb), --reserve-gb. On the
+        CPU (smoke runs) the weights plus 4 dense slots, no reserve."""
+        a = self.args
+        if a.budget_gb is not None:
+            return a.budget_gb * GIB, a.reserve_gb * GIB
+        if torch.cuda.is_available():
+            return float(torch.cuda.mem_get_info()[1]), a.reserve_gb * GIB
+        from flashloop_compile.config import FlashLoopConfig
+        from flashloop_compile.runtime.memory import kv_memory
+
+        slot = kv_memory(self.model.config, FlashLoopConfig(), 1, a.max_batch_context).bytes
+        return float(self.weight_bytes + 4 * slot), 0.0
+
+    def max_batch(self, name: str) -> None:
+        from flashloop_compile.runtime.memory import kv_memory, max_batch_for
+
+        a, cfg, mcfg = self.args, self.configs[name], self.model.config
+        context, new = a.max_batch_context, a.max_batch_new_tokens
+        budget, reserve = self.budget()
+        per_slot = kv_memory(mcfg, cfg, 1, context, max_new_tokens=new).bytes  # BF16 KV, as max_batch_for counts
+        accounted = max_batch_for(mcfg, cfg, context, budget, weight_bytes=self.weight_bytes, max_new_tokens=new,
+                                  reserve_bytes=reserve)
+        what = {**self.base(name), "context": context, "new_tokens": new}
+        record(NAME, {
+            "kind": "max_batch_accounting", **what, "max_batch": accounted, "budget_gib": budget / GIB,
+            "reserve_gib": reserve / GIB, "weights_gib": self.weight_bytes / GIB, "kv_per_slot_gib": per_slot / GIB,
+            "need_next_gib": (self.weight_bytes + reserve + (accounted + 1) * per_slot) / GIB,
+        })
+        if accounted < 1:
+            record(NAME, {"kind": "max_batch", **what, "batch": 0, "error": "not even one slot fits the budget"})
+            return
+        batch, verified = accounted, None
+        for attempt in range(a.max_batch_retries + 1):
+            if attempt and not self.deadline.allows(a.min_item_s):
+                record(NAME, {"kind": "skipped", **what, "batch": batch, "reason": "deadline (max-batch retry)"})
+                break
+            try:
+                verified = self._decode_at(name, batch, accounted, what)
+            except torch.cuda.OutOfMemoryError as e:
+                record(NAME, {"kind": "max_batch", **what, "batch": batch, "accounted_batch": accounted, "oom": True,
+                              "error": str(e)[:400]})
+            finally:
+                free_memory(self.model)
+            if verified is not None or batch == 1:
+                break
+            batch = max(1, batch - max(1, round(0.1 * batch)))
+        if verified is not None:
+            self._allocate_only(name, verified + 1, accounted, per_slot, budget, reserve, what)
+
+    def _decode_at(self, name: str, batch: int, accounted: int, what: dict) -> int | None:
+        a = self.args
+        context, new = a.max_batch_context, a.max_batch_new_tokens
+        prompt = context - new
+        reset_peak()
+        engine = self.engine(name, batch, context, new)
+        try:
+            allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+            t0 = time.perf_counter()
+            fill_synthetic(engine, prompt, a.fill_chunk, a.seed)
+            sync()
+            fill_s = time.perf_counter() - t0
+            g = torch.Generator().manual_seed(a.seed)
+            tok = torch.randint(0, self.model.config.vocab_size, (batch,), generator=g).to(device())
+            pos = torch.full((batch,), prompt, device=device())
+            t0 = time.perf_counter()
+            tok = engine.decode(tok, pos).argmax(-1)  # compile + capture
+            sync()
+            first_s = time.perf_counter() - t0
+            pos = pos + 1
+            steps = min(a.max_batch_steps, new - 2)
+            times = []
+            for _ in range(steps):
+                if times and not self.deadline.allows(a.margin_s):
+                    break
+                t1 = time.perf_counter()
+                tok = engine.decode(tok, pos).argmax(-1)
+                tok.tolist()  # the host sync a generation step has (sampling)
+                times.append(time.perf_counter() - t1)
+                pos = pos + 1
+            if engine.packed is not None:
+                engine.packed.check_overflow()
+            mem = engine.memory()
+            step = statistics.median(times) if times else float("nan")
+            record(NAME, {
+                "kind": "max_batch", **what, "batch": batch, "accounted_batch": accounted, "oom": False,
+                "prompt": prompt, "fill": "synthetic", "steps": len(times), "step_ms": step * 1e3,
+                "step_mean_ms": statistics.fmean(times) * 1e3 if times else None,
+                "throughput_tok_s": batch / step if times else None,
+                "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "kv_packed": mem.packed,
+                "allocated_after_caches_gb": allocated / 1e9 if allocated is not None else None,
+                "peak_memory_gb": peak_gb(), "fill_s": fill_s, "first_step_s": first_s, "graphs": engine.num_graphs,
+            })
+            return batch
+        finally:
+            del engine
+
+    def _allocate_only(self, name, batch, accounted, per_slot, budget, reserve, what) -> None:
+        """Allocate an Engine's caches at ``batch`` (no compile, no forward)."""
+        need = self.weight_bytes + reserve + batch * per_slot
+        row = {"kind": "max_batch_next", **what, "batch": batch, "accounted_batch": accounted,
+               "accounting_need_gib": need / GIB, "budget_gib": budget / GIB, "exceeds_budget": need > budget}
+        engine = None
+        try:
+            engine = self.engine(name, batch, self.args.max_batch_context, self.args.max_batch_new_tokens)
+            row["allocated"] = True
+            if torch.cuda.is_available():
+                free, total = torch.cuda.mem_get_info()
+                row.update(allocated_gb=torch.cuda.memory_allocated() / 1e9, free_after_gib=free / GIB)
+        except torch.cuda.OutOfMemoryError as e:
+            row.update(allocated=False, oom=True, error=str(e)[:300])
+        finally:
+            del engine
+            free_memory(self.model)
+        record(NAME, row)
+
+
+def fill_synthetic(engine, prompt: int, chunk: int, seed: int) -> None:
+    """Random K/V at positions 0..prompt-1 of every slot, stored as a prefill stores them.
+
+    Dense caches: written directly. Packed cache: ``packed_kv_write`` per layer and depth, in
+    position chunks (depth by depth within a chunk, as the loops run), loops 3..R only for the
+    tokens a token-sparse prefill keeps: nested sets of ceil(retention * prompt) tokens (one fixed
+    random ranking), so the residual rows match what the cache was sized for."""
+    model, dev = engine.model, engine.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for cache in model.model.kv_caches:
+        if cache.has_storage:
+            for buf in (cache.k_cache, cache.v_cache):
+                buf[:, :, :prompt].normal_(generator=g)
+    packed = engine.packed
+    if packed is None:
+        return
+    from flashloop_compile.lowering.packed_ops import packed_kv_write
+
+    packed.reset()
+    cfg, tsp = model.config, engine.config.token_sparse_prefill
+    b, h, d_head, loops = packed.max_batch, packed.kv_heads, packed.head_dim, packed.num_loops
+    retention = tsp.retention if tsp.enabled else (1.0,) * loops
+    rank = torch.empty(prompt, dtype=torch.long, device=dev)
+    rank[torch.randperm(prompt, generator=g, device=dev)] = torch.arange(prompt, device=dev)
+    keep = [rank < math.ceil(r * prompt) for r in retention]  # nested: one ranking, non-increasing fractions
+    for start in range(0, prompt, chunk):
+        end = min(start + chunk, prompt)
+        pos = torch.arange(start, end, device=dev)
+        k = torch.randn(b, h, end - start, d_head, generator=g, device=dev, dtype=packed.dtype)
+        v = torch.randn(b, h, end - start, d_head, generator=g, device=dev, dtype=packed.dtype)
+        per_depth = []
+        for depth in range(loops):
+            sel = keep[depth][start:end]
+            if bool(sel.all()):
+                per_depth.append((k, v, pos[None].expand(b, -1).contiguous()))
+            else:
+                idx = sel.nonzero().flatten()
+                per_depth.append((k[:, :, idx].contiguous(), v[:, :, idx].contiguous(), pos[idx][None].expand(b, -1).contiguous()))
+        for layer in range(cfg.num_hidden_layers):
+            for depth, (kd, vd, pd) in enumerate(per_depth):
+                if pd.shape[1]:
+                    packed_kv_write(packed, layer, kd, vd, pd, depth)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="ouro-1.4b")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shapes", default="1x32768+256,4x32768+256,1x8192+256,16x8192+256",
+                    help="BxPROMPT+NEW, comma-separated, in priority order ('' for none)")
+    ap.add_argument("--configs", default="dense,all_on", help=f"of {sorted(CONFIGS)}; dense first (speedups refer to it)")
+    ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile each distinct layer once (compilation.outline_layers)")
+    ap.add_argument("--inner", choices=["auto", "inductor", "eager"], default="auto",
+                    help="compile the rewritten graph with inductor, or run it eagerly; auto: inductor on CUDA, eager on the CPU")
+    ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,
+                    help="the largest batch at --max-batch-context: accounting, then allocation and decode")
+    ap.add_argument("--max-batch-context", type=int, default=32768, help="positions per slot (a multiple of 64)")
+    ap.add_argument("--max-batch-new-tokens", type=int, default=256)
+    ap.add_argument("--max-batch-steps", type=int, default=16, help="timed decode steps at the largest batch")
+    ap.add_argument("--max-batch-retries", type=int, default=2, help="smaller batches to try when the accounted one runs out of memory")
+    ap.add_argument("--budget-gb", type=float, default=None, help="GiB for weights + KV + reserve (default: the device's memory)")
+    ap.add_argument("--reserve-gb", type=float, default=8.0, help="GiB kept for activations and scratch")
+    ap.add_argument("--fill-chunk", type=int, default=4096, help="positions per packed write of the synthetic fill")
+    ap.add_argument("--deadline", type=float, default=540)
+    ap.add_argument("--min-item-s", type=float, default=90, help="seconds an item needs left to start")
+    ap.add_argument("--margin-s", type=float, default=20, help="seconds kept free at the end of the timed runs")
+    ap.add_argument("--plot", help="PNG of the results (benchmarks/plot_generate.py; needs matplotlib)")
+    args = ap.parse_args()
+    if not device() == "cuda":
+        args.min_item_s = min(args.min_item_s, 5)
+        args.margin_s = min(args.margin_s, 2)
+
+    if 2 * args.max_batch_new_tokens > args.max_batch_context:
+        args.max_batch_new_tokens = max(2, args.max_batch_context // 8)
+        print(f"--max-batch-new-tokens: at most half of --max-batch-context; using {args.max_batch_new_tokens}", flush=True)
+    bench = Bench(args)
+    names = list(bench.configs)
+    shapes = [s for s in args.shapes.split(",") if s.strip()]
+    for s in shapes:
+        parse_shape(s)
+    record(NAME, {"kind": "start", "preset": args.preset, "args": vars(args), "inner": bench.inner,
+                  "weights_gb": bench.weight_bytes / 1e9})
+    work = [("generate", shapes[0], n) for n in names] if shapes else []
+    if args.max_batch:
+        work += [("max_batch", None, n) for n in names]
+    work += [("generate", s, n) for s in shapes[1:] for n in names]
+    for kind, shape, name in work:
+        if kind == "generate":
+            bench.guarded({"shape": shape, "config": name, "part": kind}, lambda: bench.generate(shape, name))
+        else:
+            bench.guarded({"config": name, "part": kind, "context": args.max_batch_context}, lambda: bench.max_batch(name))
+    bench.summary()
+    if args.plot:
+        from plot_generate import plot, read_rows
+
+        plot(read_rows(OUT / f"{NAME}.jsonl"), args.plot)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
