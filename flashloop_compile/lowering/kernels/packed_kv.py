@@ -705,7 +705,7 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # Launch parameters of the one-query-row decode fast path. `benchmarks/bench_packed_decode.py
 # --sweep` measures alternatives on the GPU; FLASHLOOP_FAST_DECODE='{"num_warps": 4}' (JSON)
 # overrides entries for a run without editing the defaults.
-FAST_DECODE = {"block_n": 64, "num_warps": 8, "num_stages": 2, "waves": 2}
+FAST_DECODE = {"enabled": True, "block_n": 64, "num_warps": 8, "num_stages": 2, "waves": 2}
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
 
@@ -796,7 +796,7 @@ def launch_packed_attention(
     tune = {**FAST_DECODE, **(tuning or {})}
     tune["block_n"] = min(tune["block_n"], G)
     if fast is None:
-        fast = mode in (None, "decode") and mrows == 1
+        fast = tune["enabled"] and mode in (None, "decode") and mrows == 1
     if fast and (mrows != 1 or mode == "prefill" or G % tune["block_n"]):
         raise ValueError(f"the fast decode path needs one query row per kv head and block_n dividing {G}")
     bnf = tune["block_n"]
