@@ -52,6 +52,13 @@ __all__ = [
 
 _CDTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+# Kernels take the loop depth as ``depth + DEPTH_BIAS``: an int argument equal to 1 is specialized
+# to a constant (Triton's JIT, and Inductor's launch of user kernels, which ignores
+# do_not_specialize), and a kernel compiled with depth == 1 as a constant failed in
+# TritonGPUCoalesce (triton 3.6: the compiled quant decode step on the H200). Biased, the
+# argument is never 1 and stays a runtime value.
+DEPTH_BIAS = 2
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -204,16 +211,17 @@ def _reconstruct(
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+@triton.jit(do_not_specialize=["depth_arg"])
 def _write_flush_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
     k, v, positions, skey, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
-    Tn, depth, B, H, S, NB, CAPT, R,
+    Tn, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr,
 ):
+    depth = depth_arg - DEPTH_BIAS
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     HG: tl.constexpr = G // 2
@@ -341,14 +349,15 @@ def _write_flush_kernel(
         tl.store(scratch + b * 2 + 1, row)
 
 
-@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+@triton.jit(do_not_specialize=["depth_arg"])
 def _write_tail_kernel(
     k_tail, v_tail, flushed, row_count, depth_count,
     k, v, positions, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
-    Tn, depth, H, S, R,
+    Tn, depth_arg, H, S, R,
     D: tl.constexpr, G: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
 ):
+    depth = depth_arg - DEPTH_BIAS
     RING: tl.constexpr = 2 * G
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -379,15 +388,16 @@ def _write_tail_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+@triton.jit(do_not_specialize=["depth_arg"])
 def _read_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
     positions, out_k, out_v,
-    sp_b, sp_t, P, depth, B, H, S, NB, CAPT, R,
+    sp_b, sp_t, P, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
 ):
+    depth = depth_arg - DEPTH_BIAS
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -534,7 +544,7 @@ def _fast_decode_tiles(
     return m_i, l_i, acc_e, acc_o
 
 
-@triton.jit(do_not_specialize=["depth"])  # a depth specialized to 1 crashed TritonGPUCoalesce (triton 3.6)
+@triton.jit(do_not_specialize=["depth_arg"])
 def _attn_kernel(
     q, k_in, v_in, q_positions, in_positions, p0,
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -543,12 +553,13 @@ def _attn_kernel(
     out, part_ml, part_acc,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sqp_b, sqp_t, sip_b, sip_t,
-    T, Ti, Hq, depth, scale, B, H, S, NB, CAPT, R,
+    T, Ti, Hq, depth_arg, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, QPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
 ):
+    depth = depth_arg - DEPTH_BIAS
     HD: tl.constexpr = D // 2
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
@@ -724,14 +735,16 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         skey = torch.cummax(positions, dim=1).values.contiguous()
     else:
         skey = torch.zeros(Bc, 1, dtype=torch.int64, device=dev)
-    nsearch = max(1, int(Tn).bit_length())
+    # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
+    # traced by Inductor) must not be specialized: bound it by the static context instead
+    nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
     wrap(_write_flush_kernel)[(Bc, H)](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
         k, v, positions, skey, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
-        Tn, depth, B, H, S, NB, CAPT, R,
+        Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
         D=D, G=G, NSEARCH=nsearch, BT=128, num_warps=8,
     )
     bt = 32
@@ -739,7 +752,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k_tail, v_tail, flushed, row_count, depth_count,
         k, v, positions, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
-        Tn, depth, H, S, R,
+        Tn, depth + DEPTH_BIAS, H, S, R,
         D=D, G=G, DP=next_pow2(D), BT=bt, num_warps=4,
     )
 
@@ -762,7 +775,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
         positions, out_k, out_v,
-        *positions.stride(), P, depth, B, H, S, NB, CAPT, R,
+        *positions.stride(), P, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[out_k.dtype], num_warps=4,
     )
 
@@ -836,7 +849,7 @@ def launch_packed_attention(
         out, part_ml, part_acc,
         *q.stride(), *k_inflight.stride(), *v_inflight.stride(),
         *q_positions.stride(), *inflight_positions.stride(),
-        T, Ti, Hq, depth, float(scale), B, H, S, NB, CAPT, R,
+        T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, num_warps=warps,
     )
