@@ -1,7 +1,8 @@
 """Prefill latency at a real Ouro shape: dense vs token-sparse vs all features, same process.
 
-Per (batch, tokens) the prefill graph is traced once by Dynamo (static shapes by default, `--dynamic` marks the token
-sized to the prompt as the dense baseline needs); each configuration compiles a copy with the
+Per (batch, tokens) the prefill graph is traced once by Dynamo (static shapes by default;
+`--dynamic` marks the token dimension dynamic as the engine does), with caches sized to the prompt
+as the dense baseline needs; each configuration compiles a copy with the
 flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak memory per config.
 
     python benchmarks/bench_prefill.py --shapes 1x8192,1x32768 --deadline 480
