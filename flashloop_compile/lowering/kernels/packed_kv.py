@@ -58,6 +58,7 @@ _CDTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # TritonGPUCoalesce (triton 3.6: the compiled quant decode step on the H200). Biased, the
 # argument is never 1 and stays a runtime value.
 DEPTH_BIAS = 2
+_DEPTH_BIAS = tl.constexpr(DEPTH_BIAS)  # the kernels' copy (Triton globals must be constexpr)
 
 
 def _interpreting() -> bool:
@@ -221,7 +222,7 @@ def _write_flush_kernel(
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr,
 ):
-    depth = depth_arg - DEPTH_BIAS
+    depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     HG: tl.constexpr = G // 2
@@ -357,7 +358,7 @@ def _write_tail_kernel(
     Tn, depth_arg, H, S, R,
     D: tl.constexpr, G: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
 ):
-    depth = depth_arg - DEPTH_BIAS
+    depth = depth_arg - _DEPTH_BIAS
     RING: tl.constexpr = 2 * G
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -397,7 +398,7 @@ def _read_kernel(
     sp_b, sp_t, P, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
 ):
-    depth = depth_arg - DEPTH_BIAS
+    depth = depth_arg - _DEPTH_BIAS
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -559,7 +560,7 @@ def _attn_kernel(
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
 ):
-    depth = depth_arg - DEPTH_BIAS
+    depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
