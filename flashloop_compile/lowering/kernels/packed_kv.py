@@ -714,10 +714,11 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 128))
 
 
-# Launch parameters of the one-query-row decode fast path. `benchmarks/bench_packed_decode.py
-# --sweep` measures alternatives on the GPU; FLASHLOOP_FAST_DECODE='{"num_warps": 4}' (JSON)
-# overrides entries for a run without editing the defaults.
-FAST_DECODE = {"enabled": True, "block_n": 64, "num_warps": 8, "num_stages": 2, "waves": 2}
+# Launch parameters of the one-query-row decode fast path: the best of `benchmarks/bench_packed_decode.py
+# --sweep` on the H200 (2026-11-30, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, no
+# pipelining stages (stages 3 cost 20-30%), four waves of splits). FLASHLOOP_FAST_DECODE='{"num_warps": 8}'
+# (JSON) overrides entries for a run without editing the defaults.
+FAST_DECODE = {"enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4}
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
 
