@@ -91,17 +91,57 @@ def _single_live_points(body: list[fx.Node], hidden: tuple | None) -> set[int]:
 
 
 class SharedSegment(torch.nn.Module):
-    """A segment whose compiled artifact is shared with every isomorphic segment (same key)."""
+    """A segment whose compiled artifact is shared with every isomorphic segment (same key).
 
-    def __init__(self, gm: fx.GraphModule, key: str, cache: dict[str, Callable], compiler: Callable) -> None:
+    The artifact is normally compiled by :func:`outline_segments` from the placeholders' recorded
+    example values (symbolic where Dynamo made a dimension dynamic), so it serves every size those
+    symbols take. A segment without recorded values is compiled at its first call per concrete
+    input shapes instead (an artifact compiled for real inputs is specialized to their shapes).
+    """
+
+    def __init__(self, gm: fx.GraphModule, key: str, cache: dict[Any, Callable], compiler: Callable) -> None:
         super().__init__()
         self.gm, self.key, self._cache, self._compiler = gm, key, cache, compiler
 
     def forward(self, *args: Any) -> Any:
         fn = self._cache.get(self.key)
         if fn is None:
-            fn = self._cache[self.key] = self._compiler(self.gm, list(args))
+            key = (self.key, tuple(_concrete(a) for a in args))
+            fn = self._cache.get(key)
+            if fn is None:
+                fn = self._cache[key] = self._compiler(self.gm, list(args))
         return fn(*args)
+
+
+def _concrete(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return (tuple(a.shape), a.stride(), a.dtype, a.device)
+    return a if isinstance(a, (int, float, bool, type(None))) else type(a)
+
+
+def _symbolic_inputs(gm: fx.GraphModule) -> list[Any] | None:
+    """The example values recorded for ``gm``'s placeholders (fake tensors and SymInts of the
+    Dynamo graph's ShapeEnv; split_module copies the meta), or None if one is missing."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from flashloop_compile.passes.graph import val
+
+    values = [val(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(v is None or (isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor)) for v in values):
+        return None
+    return [_plain_symbol(v) for v in values]
+
+
+def _plain_symbol(v: Any) -> Any:
+    """A SymInt input as a SymInt of the symbol it currently equals. Dynamo may hand the graph a
+    size symbol that a guard replaced by another (s70 -> s2; tensors are sized by s2); Inductor
+    binds a SymInt input by its original symbol, so a segment whose tensors are sized by
+    expressions of s2 and that gets s2 only as that input would find s2 unbound."""
+    import sympy
+
+    if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+        return v.node.shape_env.create_symintnode(v.node.expr, hint=v.node.hint)
+    return v
 
 
 def _segment_key(gm: fx.GraphModule) -> str:
@@ -112,9 +152,18 @@ def _segment_key(gm: fx.GraphModule) -> str:
 def outline_segments(gm: fx.GraphModule, cuts: list[fx.Node], compiler: Callable) -> tuple[fx.GraphModule, dict[str, int]]:
     """Split ``gm`` after each cut node, compile each distinct segment once with ``compiler``.
 
+    Called from the backend: each distinct segment is compiled here from its placeholders'
+    example values, so a dynamic token or batch dimension stays symbolic in the artifact.
+
     Returns the top-level module (plain Python calls between segments) and the number of
     segments per key.
     """
+    # A pass that rewires a node (token-sparse loops' rows) leaves the example value Dynamo
+    # recorded for it; the fake propagation after each pass stores the current one as "val".
+    # split_module reads "example_value" (segment inputs, their symbols), as do the segment keys.
+    for n in gm.graph.nodes:
+        if "val" in n.meta:
+            n.meta["example_value"] = n.meta["val"]
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     cut_pos = sorted(order[c] for c in cuts if c in order)
     bounds = iter(cut_pos)
@@ -126,11 +175,15 @@ def outline_segments(gm: fx.GraphModule, cuts: list[fx.Node], compiler: Callable
             current += 1
             nxt = next(bounds, None)
     top = split_module(gm, None, lambda n: part_of[n], keep_original_order=True)
-    cache: dict[str, Callable] = {}
+    cache: dict[Any, Callable] = {}
     counts: dict[str, int] = {}
     for name, sub in list(top.named_children()):
         key = _segment_key(sub)
         counts[key] = counts.get(key, 0) + 1
+        if key not in cache and (inputs := _symbolic_inputs(sub)) is not None:
+            # now, inside the backend call: guards the compiler adds to the Dynamo graph's
+            # ShapeEnv become guards of that graph
+            cache[key] = compiler(sub, inputs)
         setattr(top, name, SharedSegment(sub, key, cache, compiler))
     log.info("outlined %d segments into %d distinct compiled artifacts", sum(counts.values()), len(counts))
     return top, counts

@@ -83,3 +83,57 @@ def test_outlined_token_sparse_prefill_matches_eager_rewrite():
     assert report.matched == {"TokenSparsePrefillPass": 2}
     assert sum(report.segments.values()) == 1 + 4 * 3 + 1
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [{}, {"token_sparse_prefill.enabled": True}], ids=["dense", "token_sparse"])
+def test_outlined_inductor_serves_every_prompt_length(monkeypatch, options):
+    """The engine marks the prefill token dimension dynamic: each distinct segment is compiled once,
+    symbolic in the token count, and serves a later call with another prompt length (an artifact
+    compiled for its first call's shapes failed with 'expected size 23==14')."""
+    import flashloop_compile.backend as backend
+    from flashloop_compile.config import FlashLoopConfig
+    from flashloop_compile.runtime.engine import Engine
+
+    compiles = []
+    inductor = backend._inductor
+    monkeypatch.setattr(backend, "_inductor", lambda gm, inputs: compiles.append(gm) or inductor(gm, inputs))
+    g = torch.Generator().manual_seed(0)
+    # two calls, two prompt lengths (ragged rows); past 10 tokens: a token-sparse graph traced at
+    # fewer guards 5 <= T <= 10 (the model's own specialization, a recompile also without outlining)
+    calls = [[torch.randint(0, 256, (n,), generator=g) for n in lengths] for lengths in ((14, 11), (23, 19))]
+
+    def prefill(opts, inner):
+        config = FlashLoopConfig.from_dict(opts)
+        engine = Engine(tiny(), config, max_batch=2, max_seq=64, backend=make_backend(config, inner=inner))
+        torch._dynamo.reset()
+        out, counts = [], []
+        for prompts in calls:
+            out.append(engine.prefill(prompts))
+            counts.append(len(compiles))
+        torch._dynamo.reset()
+        return out, counts
+
+    expected, _ = prefill(options, "eager")  # the rewrite, whole graph, no Inductor
+    got, counts = prefill({**options, "compilation.outline_layers": True}, "inductor")
+    assert counts[0] == len(last_report().segments) and counts[1] == counts[0]  # no recompile
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_segment_without_recorded_values_compiles_per_input_shape():
+    """The fallback when a segment's placeholders carry no example values: compiled at the call,
+    for the call's shapes, so another shape compiles again instead of reusing the artifact."""
+    from flashloop_compile.passes.outline import SharedSegment
+
+    gm = torch.fx.symbolic_trace(lambda x: x.sin() + 1)  # no "val"/"example_value" meta
+    compiled = []
+
+    def compiler(g, inputs):
+        compiled.append([tuple(x.shape) for x in inputs])
+        return g.forward
+
+    segment = SharedSegment(gm, "key", {}, compiler)
+    for n in (3, 5, 3):
+        x = torch.randn(2, n)
+        torch.testing.assert_close(segment(x), x.sin() + 1)
+    assert compiled == [[(2, 3)], [(2, 5)]]
