@@ -6,7 +6,8 @@ compile and logged with its hash. With every feature off the graph is handed to 
 untouched (the result equals ``backend="inductor"``). Otherwise the graph Dynamo captured is
 recognized (:mod:`flashloop_compile.passes.recognize`), the enabled feature passes rewrite it
 into ``flashloop`` ops, and Inductor compiles the result, so norms, projections and MLPs still
-fuse around the ops.
+fuse around the ops. Runtime tensors the passes read (step plan, packed cache) become trailing
+graph inputs that the returned callable supplies, the same tensor objects on every call.
 
 Recompiles: the dense model keeps one static cache per (loop, layer) and takes positions as a
 tensor, so a decode graph (one token per row) has the same shapes at every context length and
@@ -71,7 +72,23 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopCon
         top, report.segments = outline_segments(gm, report.cuts, compiler)
         log.info("%s", report)
         return top.forward
-    return compiler(gm, example_inputs)
+    from torch._guards import detect_fake_mode
+
+    from flashloop_compile.passes.graph import lift_runtime_buffers
+
+    lifted, runtime = lift_runtime_buffers(gm)
+    if not runtime:
+        return compiler(gm, example_inputs)
+    # Static shapes: AOTAutograd would give a real tensor it has no record of a fresh symbol per
+    # dimension; a fake tensor of the backend's fake mode it takes as it is.
+    mode = detect_fake_mode()
+    examples = [mode.from_tensor(t, static_shapes=True) for t in runtime] if mode is not None else runtime
+    fn = compiler(lifted, list(example_inputs) + examples)
+
+    def with_runtime_inputs(*args: Any) -> Any:
+        return fn(*args, *runtime)
+
+    return with_runtime_inputs
 
 
 def _eager(gm: fx.GraphModule, example_inputs: list[Any]):

@@ -16,6 +16,7 @@ import torch.fx as fx
 __all__ = [
     "GraphSnapshot",
     "runtime_buffer",
+    "lift_runtime_buffers",
     "canonical_names",
     "val",
     "shape_of",
@@ -253,15 +254,74 @@ class GraphSnapshot:
 
 def runtime_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> fx.Node:
     """A get_attr node for a runtime-owned tensor (step plan, packed cache), registered once as a
-    non-persistent buffer of the graph module and read at the top of the graph."""
+    non-persistent buffer of the graph module and read at the top of the graph. The backend lifts
+    these to graph inputs before compiling (:func:`lift_runtime_buffers`)."""
     if not hasattr(gm, name):
         gm.register_buffer(name, tensor, persistent=False)
+        gm.__dict__.setdefault(_RUNTIME_NAMES, []).append(name)
     for n in gm.graph.nodes:
         if n.op == "get_attr" and n.target == name:
             return n
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     with gm.graph.inserting_before(first):
         return gm.graph.get_attr(name)
+
+
+_RUNTIME_NAMES = "_flashloop_runtime_buffers"
+
+
+def lift_runtime_buffers(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """A copy of ``gm`` taking the runtime buffers :func:`runtime_buffer` registered as trailing
+    graph inputs, and those tensors in input order.
+
+    AOTAutograd lifts a module's buffers to inputs and, for a graph Dynamo captured, looks each one
+    up in Dynamo's own records (``param_name_to_source``), which do not know buffers a pass added;
+    graph inputs need no such record. The caller passes the returned tensors, the same objects on
+    every call (static addresses, as CUDA-graph replay needs). ``gm`` itself keeps its inputs:
+    Dynamo reads its placeholders after the backend returns. The copy keeps ``gm``'s metadata
+    (``meta``, Dynamo's attributes and per-input sources), so it is still compiled as a Dynamo graph.
+    """
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    names = gm.__dict__.pop(_RUNTIME_NAMES, [])
+    if not names:
+        return gm, []
+    graph = copy.deepcopy(gm.graph)
+    for old, new in zip(gm.graph.nodes, graph.nodes):  # node for node, in order
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    getters = {n.target: n for n in graph.nodes if n.op == "get_attr" and n.target in names}
+    mode = next((v.fake_mode for v in map(val, placeholders) if isinstance(v, FakeTensor)), None)
+    tensors: list[torch.Tensor] = []
+    last = placeholders[-1] if placeholders else None
+    for name in names:
+        getter = getters.get(name)
+        if getter is None:  # registered, then every read of it was removed
+            continue
+        tensor = getattr(gm, name)
+        if last is None:
+            with graph.inserting_before(next(iter(graph.nodes))):
+                node = graph.placeholder(name)
+        else:
+            with graph.inserting_after(last):
+                node = graph.placeholder(name)
+        node.meta.update(getter.meta)
+        if mode is not None:  # static shapes: the fake tensor AOTAutograd will make of it
+            node.meta["val"] = node.meta["example_value"] = mode.from_tensor(tensor, static_shapes=True)
+        node._dynamo_source = None  # as Dynamo's DDP optimizer marks inputs without a user source
+        getter.replace_all_uses_with(node)
+        graph.erase_node(getter)
+        tensors.append(tensor)
+        last = node
+    graph.lint()
+    lifted = fx.GraphModule(gm, graph)
+    for key, value in gm.__dict__.items():
+        lifted.__dict__.setdefault(key, value)
+    lifted.meta = gm.meta
+    return lifted, tensors
 
 
 def sdpa_args(n: fx.Node) -> dict[str, Any]:

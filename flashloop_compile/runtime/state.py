@@ -3,7 +3,8 @@ packed cache), found by the model's own tensors.
 
 Compiled graphs cannot take new arguments, so values planned on the host for each step (which
 rows of a padded batch are real, where each prompt ends) live in preallocated tensors with static
-addresses, registered on the rewritten graph as constants. The runtime writes them before each
+addresses, registered on the rewritten graph (the backend hands them to the compiled graph as extra
+inputs, the same tensors on every call). The runtime writes them before each
 forward (plan/run split: the captured region only reads them), which also keeps them valid under
 CUDA-graph replay.
 
