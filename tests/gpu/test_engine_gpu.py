@@ -15,11 +15,12 @@ Run on the GPU machine: ``TRITON_INTERPRET=0 pytest -m gpu tests/gpu/test_engine
 ``inner="eager"`` (the rewritten graph without Inductor: what is under test is the engine's
 graph mechanism -- static inputs, the step plan, packed-cache addresses, buckets -- and Inductor
 would add about a minute of compiles per configuration). ``FLASHLOOP_GPU_ENGINE_INNER=inductor``
-runs the same checks through Inductor (whole graph, outline_layers off). At the time of writing it
-fails for two backend reasons, not the engine's: with outline_layers each segment is compiled for
-the static shapes of its first call (a second batch bucket or prompt length asserts on its input
-sizes), and without it AOT autograd rejects the runtime buffers the feature passes register
-(``flashloop_seq_lens not found in param_name_to_source``, torch 2.13 on the CPU).
+runs the same checks through Inductor (whole graph, outline_layers off); the two backend bugs
+that made that fail on the CPU (segments compiled for their first call's shapes; runtime buffers
+unknown to AOTAutograd) are fixed (a19cecd, 7e58f45), not yet re-run on the GPU. On the H200
+(2026-11-30, 84f52b1) dense and sparse decode passed; token-sparse, quantization and all-on failed
+before any engine check: the dynamic prompt length was specialized on CUDA (see
+benchmarks/RESULTS.md, "GPU tests").
 """
 
 from __future__ import annotations
