@@ -96,9 +96,10 @@ def _eager(gm: fx.GraphModule, example_inputs: list[Any]):
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: list[Any]):
-    """Inductor without the generated module's benchmark harness: the harness needs a size hint
-    for every symbol, and an outlined segment compiled at its first call with a dynamic token
-    count carries the outer graph's symbols without hints (torch 2.11 asserted on CUDA)."""
+    """Inductor without the generated module's benchmark harness, which needs a size hint for
+    every symbol: an outlined segment of a dynamic-token graph, then compiled from real inputs,
+    carried the outer graph's symbols without hints and torch 2.11 asserted on CUDA (segments are
+    now compiled from their symbolic example values; the harness stays off, it is debug output)."""
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
