@@ -8,7 +8,6 @@ before triton is imported, so these tests fail early instead of running interpre
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -23,15 +22,6 @@ pytestmark = [
 
 H, D, R = 16, 128, 4
 DT = torch.bfloat16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_kernels():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail(
-            "the Triton interpreter is on (tests/conftest.py sets TRITON_INTERPRET=1 unless it is set), so these "
-            "tests would not run the compiled kernels: run `TRITON_INTERPRET=0 pytest -m gpu tests/gpu`"
-        )
 
 
 def _nested_counts(n, g, fractions=(0.25, 0.10)):
