@@ -1,8 +1,8 @@
 """Prefill latency at a real Ouro shape: dense vs token-sparse vs all features, same process.
 
-Per (batch, tokens) the prefill graph is traced once by Dynamo (static shapes by default;
-`--dynamic` marks the token dimension dynamic as the engine does), with caches sized to the prompt
-as the dense baseline needs; each configuration compiles a copy with the
+Per (batch, tokens) the prefill graph is traced once by Dynamo with a dynamic token dimension, as
+the engine traces it (token-sparse prefill needs it; `--no-dynamic` traces static shapes, dense
+only), with caches of prompt + `--headroom` positions; each configuration compiles a copy with the
 flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak memory per config.
 
     python benchmarks/bench_prefill.py --shapes 1x8192,1x32768 --deadline 480
@@ -39,8 +39,10 @@ def main() -> None:
     ap.add_argument("--configs", default="dense,token_sparse,all_on")
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
                     help="trace with a dynamic token dimension (as the engine does); each shape is traced anyway")
+    ap.add_argument("--headroom", type=int, default=256,
+                    help="cache positions beyond the prompt (room for decode, as a serving cache has)")
     ap.add_argument("--deadline", type=float, default=480)
     ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
     args = ap.parse_args()
@@ -59,7 +61,7 @@ def main() -> None:
         model.clear_caches()
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        model.setup_caches(b, t)
+        model.setup_caches(b, t + args.headroom)
         ids = torch.randint(0, cfg.vocab_size, (b, t), device=device())
         pos = torch.arange(t, device=device())[None].expand(b, -1).contiguous()
         t0 = time.perf_counter()
