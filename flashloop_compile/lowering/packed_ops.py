@@ -148,9 +148,14 @@ def _read_fake(*args):
     *cache, positions, depth = args
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     _check_depth(depth, R)
-    torch._check(positions.dim() == 2 and positions.dtype == torch.int64, lambda: "positions must be int64 [B, P]")
+    torch._check(
+        positions.dim() in (2, 3) and positions.dtype == torch.int64,
+        lambda: "positions must be int64 [B, P] (all heads) or [B, H, P] (per kv head)",
+    )
     torch._check(positions.shape[0] <= B, lambda: f"positions batch {positions.shape[0]} exceeds max_batch {B}")
-    shape = (positions.shape[0], H, positions.shape[1], D)
+    if positions.dim() == 3:
+        torch._check(positions.shape[1] == H, lambda: f"per-head positions need {H} kv heads, got {positions.shape[1]}")
+    shape = (positions.shape[0], H, positions.shape[-1], D)
     cdt = cache[12].dtype
     return cache[0].new_empty(shape, dtype=cdt), cache[0].new_empty(shape, dtype=cdt)
 
@@ -306,14 +311,17 @@ def packed_read_aten(*args) -> tuple[Tensor, Tensor]:
     *cache, positions, depth = args
     c = _Cache(cache)
     cdt = c.k_tail.dtype
-    Bc, P = positions.shape
+    Bc, P = positions.shape[0], positions.shape[-1]
     out_k = torch.zeros(Bc, c.H, P, c.D, dtype=cdt, device=positions.device)
     out_v = torch.zeros_like(out_k)
+    heads = range(c.H) if positions.dim() == 3 else [slice(None)]
     for b in range(Bc):
-        ok = (positions[b] >= 0) & (positions[b] < c.S)
-        k, v, _ = _reconstruct(c, b, positions[b].clamp(0, c.S - 1), depth)
-        out_k[b] = torch.where(ok[None, :, None], k, 0.0).to(cdt)
-        out_v[b] = torch.where(ok[None, :, None], v, 0.0).to(cdt)
+        for h in heads:  # per-head positions: each head reads its own (all heads are reconstructed)
+            pos = positions[b, h] if positions.dim() == 3 else positions[b]
+            ok = (pos >= 0) & (pos < c.S)
+            k, v, _ = _reconstruct(c, b, pos.clamp(0, c.S - 1), depth)
+            out_k[b, h] = torch.where(ok[None, :, None], k, 0.0).to(cdt)[h]
+            out_v[b, h] = torch.where(ok[None, :, None], v, 0.0).to(cdt)[h]
     return out_k, out_v
 
 
@@ -385,7 +393,7 @@ def _packed_read(
              v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
     if positions.device.type != "cuda":
         return torch.ops.flashloop.packed_read_aten(*cache, positions, depth)
-    shape = (positions.shape[0], k_base.shape[1], positions.shape[1], 2 * k_base.shape[3])
+    shape = (positions.shape[0], k_base.shape[1], positions.shape[-1], 2 * k_base.shape[3])
     out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, wrap=torch.library.wrap_triton)
@@ -449,7 +457,8 @@ def packed_kv_write(cache: PackedKVCache, layer: int, k: Tensor, v: Tensor, posi
 
 
 def packed_read(cache: PackedKVCache, layer: int, positions: Tensor, depth: int) -> tuple[Tensor, Tensor]:
-    """Logical (k, v) [B, H, P, D] at ``depth`` of positions [B, P]."""
+    """Logical (k, v) [B, H, P, D] at ``depth`` of positions [B, P] (every head) or [B, H, P] (each
+    kv head its own positions: the keys sparse decode selected). Positions outside 0..S-1 read 0."""
     return torch.ops.flashloop.packed_read(*cache.op_tensors(layer), positions, int(depth))
 
 

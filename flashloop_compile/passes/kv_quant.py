@@ -7,8 +7,12 @@ At each attention site (loop d, layer i) with an in-place cache:
 - dense attention (SDPA, or token-sparse loops' ``position_attention``) becomes
   ``flashloop.packed_attention``: the stored prefix read straight from the packed tiles, the
   step's own tokens exactly (in flight);
-- the sparse-decode ops, which take K/V tensors, get them from ``flashloop.packed_read`` with the
-  step's tokens scattered in (correct; a fused packed reader is future work).
+- the sparse-decode ops take K/V tensors: loop 2's reference (which attends to every key) gets
+  the whole history from ``flashloop.packed_read``; a correction at loops 3..R reads only the keys
+  its reference selected, per kv head (``packed_read`` of [B, Hkv, P] positions, P = query heads
+  per kv head x query rows x key capacity), and indexes that compact read. Either way the step's
+  own tokens are replaced by their exact in-flight K/V. (Reading the packed tiles inside the
+  reference kernel itself is future work.)
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
 in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
@@ -31,7 +35,10 @@ from flashloop_compile.passes.manager import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
 from flashloop_compile.passes.sparse_decode import site_scale
 
-__all__ = ["KVResidualQuantizationPass", "mask_positions", "scatter_tokens", "full_positions"]
+__all__ = [
+    "KVResidualQuantizationPass", "mask_positions", "scatter_tokens", "full_positions",
+    "selected_positions", "local_keys", "merge_inflight",
+]
 
 
 def mask_positions(positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -49,6 +56,34 @@ def scatter_tokens(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) 
 def full_positions(like: torch.Tensor, max_seq: int) -> torch.Tensor:
     """[B, S] positions 0..S-1 for every row."""
     return torch.arange(max_seq, device=like.device)[None].expand(like.shape[0], -1)
+
+
+def selected_positions(keys: torch.Tensor, count: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The positions a correction reads, per kv head: keys [B, Hq, T, K] (loop 2's selection, the
+    first count [B, Hq, T] valid) as [B, Hkv, (Hq/Hkv)*T*K] int64, -1 where unused. Query head hq
+    uses kv head hq // (Hq/Hkv), so a kv head's query heads are contiguous in ``keys``."""
+    b, hq, t, k = keys.shape
+    valid = torch.arange(k, device=keys.device) < count[..., None]
+    pos = torch.where(valid, keys.long(), torch.full_like(keys, -1, dtype=torch.long))
+    return pos.reshape(b, kv_heads, (hq // kv_heads) * t * k)
+
+
+def local_keys(keys: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Indices [B, Hq, T, K] int32 of each query head's keys in the compact read of
+    :func:`selected_positions` (its kv head's row block (g, t, :) for query head g of the group)."""
+    b, hq, t, k = keys.shape
+    group = hq // kv_heads
+    idx = torch.arange(group * t * k, dtype=torch.int32, device=keys.device).view(group, t, k)
+    return idx.repeat(kv_heads, 1, 1)[None].expand(b, -1, -1, -1)
+
+
+def merge_inflight(stored: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """stored [B, H, P, D] read at selected [B, H, P], with every entry at the position of one of
+    this step's tokens (positions [B, T], -1 = padding) replaced by its in-flight row rows [B, H, T, D]."""
+    match = (selected[..., None] == positions[:, None, None, :]) & (positions >= 0)[:, None, None, :]  # [B, H, P, T]
+    src = match.to(torch.int32).argmax(-1, keepdim=True)
+    inflight = torch.gather(rows, 2, src.expand(-1, -1, -1, rows.shape[-1]))
+    return torch.where(match.any(-1, keepdim=True), inflight.to(stored.dtype), stored)
 
 
 def _scatter_positions(dense: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -136,7 +171,20 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 graph.erase_node(consumer)
                 ctx.replaced[site.node] = out
                 after = out
-            elif name in ("flashloop.reference_attention", "flashloop.correction_attention"):
+            elif name == "flashloop.correction_attention":
+                keys, count = consumer.args[3], consumer.args[4]
+                kv_heads = shape_of(k_in)[1]
+                with graph.inserting_before(consumer):
+                    sel = graph.call_function(selected_positions, (keys, count, kv_heads))
+                    read = graph.call_function(torch.ops.flashloop.packed_read.default, cache_args + (sel, d))
+                    k_sel = graph.call_function(merge_inflight, (graph.call_function(operator.getitem, (read, 0)), sel, all_pos, k_in))
+                    v_sel = graph.call_function(merge_inflight, (graph.call_function(operator.getitem, (read, 1)), sel, all_pos, v_in))
+                    local = graph.call_function(local_keys, (keys, kv_heads))
+                args = list(consumer.args)
+                args[1], args[2], args[3] = k_sel, v_sel, local
+                consumer.args = tuple(args)
+                after = consumer
+            elif name == "flashloop.reference_attention":
                 with graph.inserting_before(consumer):
                     grid = graph.call_function(full_positions, (all_pos, max_seq))
                     read = graph.call_function(torch.ops.flashloop.packed_read.default, cache_args + (grid, d))

@@ -249,6 +249,8 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
     P.packed_kv_write(cache, 0, k, v, pos, 0)
     torch.library.opcheck(torch.ops.flashloop.packed_read.default, (*cache.op_tensors(0), pos, 0))
+    per_head = torch.stack([pos.flip(-1), pos])[None, :, 0]  # [1, H, P]: each kv head its own order
+    torch.library.opcheck(torch.ops.flashloop.packed_read.default, (*cache.op_tensors(0), per_head.contiguous(), 0))
     q = torch.randn(1, 2 * H, 1, D)
     args = (q, k[:, :, -1:], v[:, :, -1:], pos[:, -1:], pos[:, -1:], 0, *cache.op_tensors(0), 0.125)
     torch.library.opcheck(torch.ops.flashloop.packed_attention.default, args)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from expecttest import assert_expected_inline
 
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.passes import PassManager, RecognitionError
 from flashloop_compile.passes.graph import GraphSnapshot, op_name
+from flashloop_compile.passes.kv_quant import local_keys, merge_inflight, selected_positions
 from models.hf_style_ouro import LoopedDynamicCache
 from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 
@@ -60,9 +64,41 @@ def test_decode_quant_with_sparse_decode_counts():
         "flashloop.packed_attention": 2,  # loop 1 reads the packed cache directly
         "flashloop.reference_attention": 2,
         "flashloop.correction_attention": 4,
-        "flashloop.packed_read": 6,  # the sparse ops take K/V read from the packed cache
+        "flashloop.packed_read": 6,  # the reference reads the whole history, a correction its selected keys
         "flashloop.packed_kv_write": 8,
     }
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kv=st.integers(1, 2), t=st.integers(1, 3),
+       k=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_compact_selection_reads_each_query_heads_keys(b, group, kv, t, k, seed):
+    """What a correction sees through the compact per-kv-head read (selected_positions ->
+    packed_read -> merge_inflight, indexed by local_keys) equals the full history indexed by the
+    reference's keys, with this step's tokens taken from flight."""
+    g = torch.Generator().manual_seed(seed)
+    s, d, hq = 12, 3, group * kv
+    hist = torch.randn(b, kv, s, d, generator=g)
+    keys = torch.randint(0, s, (b, hq, t, k), generator=g).int()
+    count = torch.randint(0, k + 1, (b, hq, t), generator=g).int()
+    step = torch.stack([torch.randperm(s, generator=g)[:t] for _ in range(b)])  # this step's (distinct) positions
+    step[torch.rand(b, t, generator=g) < 0.3] = -1  # padding
+    flight = torch.randn(b, kv, t, d, generator=g)
+    full = hist.clone()
+    for bi in range(b):
+        for ti in range(t):
+            if step[bi, ti] >= 0:
+                full[bi, :, step[bi, ti]] = flight[bi, :, ti]
+    sel = selected_positions(keys, count, kv)
+    assert sel.shape == (b, kv, group * t * k)
+    read = torch.where((sel >= 0)[..., None], torch.gather(hist, 2, sel.clamp_min(0)[..., None].expand(-1, -1, -1, d)), 0.0)
+    compact = merge_inflight(read, sel, step, flight)
+    local = local_keys(keys, kv)
+    for bi, h, ti in np.ndindex(b, hq, t):
+        n = int(count[bi, h, ti])
+        got = compact[bi, h // group, local[bi, h, ti, :n].long()]
+        want = full[bi, h // group, keys[bi, h, ti, :n].long()]
+        assert torch.equal(got, want), (bi, h, ti)
 
 
 def test_prefill_all_on_counts():

@@ -18,7 +18,8 @@ Kernels:
 - ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
   ring; depth_count and the counters are committed (separate launch: the flush must read the ring
   before it is overwritten).
-- ``_read_kernel`` [B, H, tiles of P]: logical values at given positions (resolution rule).
+- ``_read_kernel`` [B, H, tiles of P]: logical values at given positions, shared by the heads or
+  per head (resolution rule).
 - ``_attn_kernel`` [B*H, splits, query tiles] + ``_combine_kernel``: causal attention over the
   packed store (positions < P0) and the in-flight keys; split-K partials (flash-decoding) for
   decode, a fused single pass for prefill chunks.
@@ -395,7 +396,7 @@ def _read_kernel(
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
     positions, out_k, out_v,
-    sp_b, sp_t, P, depth_arg, B, H, S, NB, CAPT, R,
+    sp_b, sp_h, sp_t, P, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
 ):
     depth = depth_arg - _DEPTH_BIAS
@@ -403,7 +404,7 @@ def _read_kernel(
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
     tm = t < P
-    p = tl.load(positions + b * sp_b + t * sp_t, mask=tm, other=-1)
+    p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
     pm = tm & (p >= 0) & (p < S)
     ke, ko, ve, vo, _ok = _reconstruct(
         p, pm, b, h, depth,
@@ -760,12 +761,14 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
 
 
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_wrap) -> None:
-    """Logical K/V at ``depth`` of positions [B, P] into out_k/out_v [B, H, P, D] (contiguous)."""
+    """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
+    out_k/out_v [B, H, P, D] (contiguous)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
-    Bc, P = positions.shape
+    Bc, P = positions.shape[0], positions.shape[-1]
+    sp_b, sp_h, sp_t = (positions.stride(0), 0, positions.stride(1)) if positions.dim() == 2 else positions.stride()
     if P == 0 or Bc == 0:
         return
     np_ = next_pow2(D // 2)
@@ -777,7 +780,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
         positions, out_k, out_v,
-        *positions.stride(), P, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
+        sp_b, sp_h, sp_t, P, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[out_k.dtype], num_warps=4,
     )
 
