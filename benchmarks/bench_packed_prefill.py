@@ -1,0 +1,103 @@
+"""Where quantized prefill spends its time: the per-site ops of one prefill at one layer and depth.
+
+    python benchmarks/bench_packed_prefill.py [--tokens 4096 8192] [--repeats 10]
+
+All features on was 7x slower than token-sparse prefill alone on the H200 (8K: 1286 vs 182 ms),
+and the gap grows with the prompt (32K: 13.4 vs 1.8 s), which points at something quadratic.
+This times, for a fresh prompt of T tokens (B=1, H=16 query = kv heads, D=128, bf16; every key
+in flight, nothing stored yet), each op a quantized prefill runs per (loop, layer) site:
+
+- ``sdpa_causal``: dense causal SDPA (what dense prefill runs at loops 1-2);
+- ``position_attention``: the token-sparse kernel with every row active (loops 1-2 equivalent);
+- ``packed_attention``: flashloop.packed_attention in prefill mode (what quantization puts at
+  every site: the in-flight keys go through its even/odd-half tile loop);
+- ``packed_kv_write d0`` / ``d1``: the packed write of all T tokens at depth 0 (INT4 base) and
+  depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
+
+Self-check first: packed_attention and position_attention against causal SDPA (atol/rtol 2e-2).
+CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
+4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
+Without CUDA: a smoke run on tiny shapes through the ops' ATen bodies (numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cuda_times, device, environment  # noqa: E402
+
+from flashloop_compile.lowering import packed_ops as P  # noqa: E402
+from flashloop_compile.lowering.prefill_ops import position_attention  # noqa: E402
+from flashloop_compile.runtime import PackedKVCache  # noqa: E402
+
+R = 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    dev = device()
+    cuda = dev == "cuda"
+    if not cuda:
+        args.tokens, args.heads, args.head_dim, args.repeats = [128], 2, 64, 2
+    H, D, dt = args.heads, args.head_dim, torch.bfloat16 if cuda else torch.float32
+    rows = []
+    for T in args.tokens:
+        g = torch.Generator(device=dev).manual_seed(0)
+        q, k, v = (torch.randn(1, H, T, D, device=dev, dtype=dt, generator=g) for _ in range(3))
+        pos = torch.arange(T, device=dev)[None]
+        scale = D ** -0.5
+        cache = PackedKVCache(1, R, 1, T + 256, H, D, dtype=dt, device=dev)
+
+        def packed():
+            return torch.ops.flashloop.packed_attention(q, k, v, pos, pos, 0, *cache.op_tensors(0), scale)
+
+        def write(depth):
+            def run():
+                cache.reset()
+                for d in range(depth + 1):
+                    P.packed_kv_write(cache, 0, k, v, pos, d)
+            return run
+
+        ops = {
+            "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
+            "position_attention": lambda: position_attention(q, k, v, pos, scale),
+            "packed_attention": packed,
+            "packed_kv_write d0": write(0),
+            "packed_kv_write d0+d1": write(1),
+        }
+        ref = ops["sdpa_causal"]().float()
+        for name in ("position_attention", "packed_attention"):
+            err = (ops[name]().float() - ref).abs().max().item()
+            if err > 2e-2 * max(1.0, ref.abs().max().item()):
+                raise SystemExit(f"self-check failed at T={T}: {name} differs from causal SDPA by {err:.3g}")
+        flops = 4 * D * H * T * (T + 1) / 2
+        for name, fn in ops.items():
+            ms = statistics.median(cuda_times(fn, warmup=2, repeat=args.repeats))
+            row = {"tokens": T, "op": name, "ms": ms}
+            if "attention" in name or name.startswith("sdpa"):
+                row["tflops"] = flops / (ms * 1e-3) / 1e12
+            rows.append(row)
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "packed_prefill.json").write_text(json.dumps({"env": environment(), "rows": rows}, indent=1))
+    print(f"{'T':>6} {'op':<22} {'ms':>9} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['op']:<22} {r['ms']:>9.3f} {r.get('tflops', float('nan')):>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
