@@ -1,6 +1,6 @@
 """Where quantized prefill spends its time: the per-site ops of one prefill at one layer and depth.
 
-    python benchmarks/bench_packed_prefill.py [--tokens 4096 8192] [--repeats 10]
+    python benchmarks/bench_packed_prefill.py [--tokens 4096 8192] [--repeats 10] [--sweep]
 
 All features on was 7x slower than token-sparse prefill alone on the H200 (8K: 1286 vs 182 ms),
 and the gap grows with the prompt (32K: 13.4 vs 1.8 s), which points at something quadratic.
@@ -14,7 +14,8 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
 - ``packed_kv_write d0`` / ``d1``: the packed write of all T tokens at depth 0 (INT4 base) and
   depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
 
-Self-check first: packed_attention and position_attention against causal SDPA (atol/rtol 2e-2).
+``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_kv.py
+PACKED_PREFILL). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
 Without CUDA: a smoke run on tiny shapes through the ops' ATen bodies (numbers meaningless).
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time packed_attention over prefill launch parameters (block_m, block_n_inflight, num_warps)")
     args = ap.parse_args()
     dev = device()
     cuda = dev == "cuda"
@@ -65,6 +68,15 @@ def main() -> None:
         def packed():
             return torch.ops.flashloop.packed_attention(q, k, v, pos, pos, 0, *cache.op_tensors(0), scale)
 
+        def launched(tuning):
+            from flashloop_compile.lowering.kernels import packed_kv as K
+
+            def run():
+                out = torch.empty_like(q)
+                K.launch_packed_attention(cache.op_tensors(0), q, k, v, pos, pos, 0, scale, out, mode="prefill", tuning=tuning)
+                return out
+            return run
+
         def write(depth):
             def run():
                 cache.reset()
@@ -79,8 +91,11 @@ def main() -> None:
             "packed_kv_write d0": write(0),
             "packed_kv_write d0+d1": write(1),
         }
+        if args.sweep and cuda:
+            for bm, bni, w in [(64, 64, 8), (128, 32, 8), (128, 64, 8), (64, 64, 4), (32, 64, 4), (128, 64, 4)]:
+                ops[f"packed bm{bm} bni{bni} w{w}"] = launched({"block_m": bm, "block_n_inflight": bni, "num_warps": w})
         ref = ops["sdpa_causal"]().float()
-        for name in ("position_attention", "packed_attention"):
+        for name in [n for n in ops if "attention" in n or n.startswith("packed bm")]:
             err = (ops[name]().float() - ref).abs().max().item()
             if err > 2e-2 * max(1.0, ref.abs().max().item()):
                 raise SystemExit(f"self-check failed at T={T}: {name} differs from causal SDPA by {err:.3g}")
@@ -88,7 +103,7 @@ def main() -> None:
         for name, fn in ops.items():
             ms = statistics.median(cuda_times(fn, warmup=2, repeat=args.repeats))
             row = {"tokens": T, "op": name, "ms": ms}
-            if "attention" in name or name.startswith("sdpa"):
+            if "attention" in name or name.startswith(("sdpa", "packed bm")):
                 row["tflops"] = flops / (ms * 1e-3) / 1e12
             rows.append(row)
     out = Path(os.environ.get("OUT", "out"))

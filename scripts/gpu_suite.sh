@@ -48,8 +48,8 @@ EOF2
 fi
 if [[ $SUITE == *ops* ]]; then
   # per-site op times of a quantized prefill vs causal SDPA
-  timeout 120 python3 benchmarks/bench_packed_prefill.py --tokens 4096 8192 > "$OUT/packed_prefill.log" 2>&1
-  tail -12 "$OUT/packed_prefill.log"
+  timeout 150 python3 benchmarks/bench_packed_prefill.py --tokens 4096 8192 --sweep > "$OUT/packed_prefill.log" 2>&1
+  tail -20 "$OUT/packed_prefill.log"
 fi
 if [[ $SUITE == *decode* ]] && (( $(left) > 150 )); then
   timeout $(( $(left) - 20 )) python3 benchmarks/bench_decode.py --shapes "${SHAPES:-1x32768,4x32768,1x8192,4x8192}" ${DECODE_ARGS:-} \

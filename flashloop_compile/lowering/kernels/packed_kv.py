@@ -560,6 +560,7 @@ def _attn_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
+    BNI: tl.constexpr = 32,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -634,7 +635,7 @@ def _attn_kernel(
     if run_inflight:
         t0 = 0
         while t0 < Ti:
-            tk = t0 + tl.arange(0, BN)
+            tk = t0 + tl.arange(0, BNI)
             tkm = tk < Ti
             kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tkm, other=-1)
             kvalid = tkm & (kpos >= 0)
@@ -650,7 +651,7 @@ def _attn_kernel(
                 m_i, l_i, acc_e, acc_o = _attend(
                     qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
                 )
-            t0 += BN
+            t0 += BNI
 
     orow = (b * Hq + hq) * T + t  # [BM]
     om = mmask[:, None] & imask[None, :]
@@ -721,6 +722,13 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # (JSON) overrides entries for a run without editing the defaults.
 FAST_DECODE = {"enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4}
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
+
+# Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
+# in-flight key tile (a fresh prompt's keys are all in flight), warps. Not tuned yet: these are
+# the values every measurement so far ran with; `benchmarks/bench_packed_prefill.py --sweep`
+# times alternatives. FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
+PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 32, "num_warps": 8}
+PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
 
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap) -> None:
@@ -822,6 +830,7 @@ def launch_packed_attention(
     if mode == "decode":
         bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
+        bni = bn
         m_tiles = triton.cdiv(mrows, bm)
         if num_splits is not None:
             ns = num_splits
@@ -836,14 +845,17 @@ def launch_packed_attention(
         fused = False
         warps = tune["num_warps"] if fast else 8
     elif mode == "prefill":
-        bm = 64
+        ptune = {**PACKED_PREFILL, **(tuning or {})}
+        bm = ptune["block_m"]
         bn = min(G, 64 if interp else 32)
+        # the interpreter's cost is per operation: larger tiles unless a test asks for others
+        bni = (tuning or {}).get("block_n_inflight", 64 if interp else ptune["block_n_inflight"])
         m_tiles = triton.cdiv(mrows, bm)
         ns = 1
         part_ml = part_acc = out  # unused
         grid = (Bc * H, 1, m_tiles)
         fused = True
-        warps = 8
+        warps = ptune["num_warps"]
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     wrap(_attn_kernel)[grid](
@@ -856,7 +868,8 @@ def launch_packed_attention(
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
-        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, num_warps=warps,
+        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, BNI=bni,
+        num_warps=warps,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](
