@@ -77,10 +77,13 @@ def local_keys(keys: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return idx.repeat(kv_heads, 1, 1)[None].expand(b, -1, -1, -1)
 
 
-def merge_inflight(stored: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def merge_inflight(
+    stored: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
     """stored [B, H, P, D] read at selected [B, H, P], with every entry at the position of one of
     this step's tokens (positions [B, T], -1 = padding) replaced by its in-flight row rows [B, H, T, D]."""
-    match = (selected[..., None] == positions[:, None, None, :]) & (positions >= 0)[:, None, None, :]  # [B, H, P, T]
+    live = (positions >= 0)[:, None, None, :]
+    match = (selected[..., None] == positions[:, None, None, :]) & live  # [B, H, P, T]
     src = match.to(torch.int32).argmax(-1, keepdim=True)
     inflight = torch.gather(rows, 2, src.expand(-1, -1, -1, rows.shape[-1]))
     return torch.where(match.any(-1, keepdim=True), inflight.to(stored.dtype), stored)
@@ -177,8 +180,10 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 with graph.inserting_before(consumer):
                     sel = graph.call_function(selected_positions, (keys, count, kv_heads))
                     read = graph.call_function(torch.ops.flashloop.packed_read.default, cache_args + (sel, d))
-                    k_sel = graph.call_function(merge_inflight, (graph.call_function(operator.getitem, (read, 0)), sel, all_pos, k_in))
-                    v_sel = graph.call_function(merge_inflight, (graph.call_function(operator.getitem, (read, 1)), sel, all_pos, v_in))
+                    k_read = graph.call_function(operator.getitem, (read, 0))
+                    v_read = graph.call_function(operator.getitem, (read, 1))
+                    k_sel = graph.call_function(merge_inflight, (k_read, sel, all_pos, k_in))
+                    v_sel = graph.call_function(merge_inflight, (v_read, sel, all_pos, v_in))
                     local = graph.call_function(local_keys, (keys, kv_heads))
                 args = list(consumer.args)
                 args[1], args[2], args[3] = k_sel, v_sel, local
