@@ -230,10 +230,31 @@ def propagate_fake_values(gm: fx.GraphModule) -> None:
     mode = next((x.fake_mode for x in inputs if isinstance(x, FakeTensor)), None)
     if mode is None:
         return
+    import sympy
+
+    env = mode.shape_env
+    known = set(env.replacements) if env is not None else set()
+
     class _Prop(FakeTensorProp):
         def fetch_attr(self, target: str):  # runtime tensors registered on the graph module
             attr = super().fetch_attr(target)
             return mode.from_tensor(attr, static_shapes=True) if isinstance(attr, torch.Tensor) else attr
+
+        def run_node(self, n: fx.Node):
+            # A fake kernel that reads a size as an int fixes a dynamic dimension for the whole
+            # graph (Dynamo later reports only the input it was, or recompiles per shape): name
+            # the node that did it.
+            out = super().run_node(n)
+            if env is not None and len(env.replacements) != len(known):
+                for sym in env.replacements.keys() - known:
+                    to = env.replacements[sym]
+                    if isinstance(to, sympy.Integer):
+                        log.warning(
+                            "fake propagation of %s specialized the dynamic size %s to %s (from %s)",
+                            n.format_node(), sym, to, n.meta.get("stack_trace", "?").strip().splitlines()[-1:],
+                        )
+                known.update(env.replacements)
+            return out
 
     with mode:
         _Prop(gm, mode).propagate_dont_convert_inputs(*inputs)
