@@ -15,7 +15,7 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
   depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_kv.py
-PACKED_PREFILL). Self-check first: every attention variant against causal SDPA (2e-2).
+PACKED_PREFILL: tiles, warps, in-flight keys as whole rows or as even/odd halves). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
 Without CUDA: a smoke run on tiny shapes through the ops' ATen bodies (numbers meaningless).
@@ -92,8 +92,11 @@ def main() -> None:
             "packed_kv_write d0+d1": write(1),
         }
         if args.sweep and cuda:
-            for bm, bni, w in [(64, 64, 8), (128, 32, 8), (128, 64, 8), (64, 64, 4), (32, 64, 4), (128, 64, 4)]:
-                ops[f"packed bm{bm} bni{bni} w{w}"] = launched({"block_m": bm, "block_n_inflight": bni, "num_warps": w})
+            grid = [(64, 32, 8), (64, 64, 8), (128, 64, 8), (64, 64, 4), (128, 32, 4), (128, 64, 4)]
+            for whole in (False, True):
+                for bm, bni, w in grid:
+                    tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "whole_rows": whole}
+                    ops[f"packed bm{bm} bni{bni} w{w}{' whole' if whole else ''}"] = launched(tuning)
         ref = ops["sdpa_causal"]().float()
         for name in [n for n in ops if "attention" in n or n.startswith("packed bm")]:
             err = (ops[name]().float() - ref).abs().max().item()
@@ -109,9 +112,9 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "packed_prefill.json").write_text(json.dumps({"env": environment(), "rows": rows}, indent=1))
-    print(f"{'T':>6} {'op':<22} {'ms':>9} {'TFLOP/s':>8}")
+    print(f"{'T':>6} {'op':<30} {'ms':>9} {'TFLOP/s':>8}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['op']:<22} {r['ms']:>9.3f} {r.get('tflops', float('nan')):>8.1f}")
+        print(f"{r['tokens']:>6} {r['op']:<30} {r['ms']:>9.3f} {r.get('tflops', float('nan')):>8.1f}")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def test_write_read_attention_match_aten(dtype):
                 ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
                 q = torch.randn(pos.shape[0], 2 * H, pos.shape[1], D, generator=g).to(dtype)
                 ref = P.packed_attention_aten(q, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
-                prefill = [dict(mode="prefill"), dict(mode="prefill", tuning={"block_m": 32, "block_n_inflight": 16, "num_warps": 4})]
+                prefill = [dict(mode="prefill"), dict(mode="prefill", tuning={"block_m": 32, "block_n_inflight": 16, "num_warps": 4}),
+                           dict(mode="prefill", tuning={"whole_rows": True}),
+                           dict(mode="prefill", tuning={"whole_rows": True, "block_m": 16, "block_n_inflight": 16})]
                 for kw in prefill if f < 2 else [dict(num_splits=1 + d)]:
                     out = attention_kernel(ck, 0, q, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)

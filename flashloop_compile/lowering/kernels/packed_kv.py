@@ -429,18 +429,42 @@ def _read_kernel(
 
 
 @triton.jit
-def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale,
-            USE_DOT: tl.constexpr, DOT_T: tl.constexpr):
-    """One online-softmax step over a key tile (keys already rounded to the compute dtype)."""
-    if USE_DOT:
-        if DOT_T == 1:
-            s = tl.dot(qe.to(tl.bfloat16), tl.trans(ke.to(tl.bfloat16))) + tl.dot(qo.to(tl.bfloat16), tl.trans(ko.to(tl.bfloat16)))
-        elif DOT_T == 2:
-            s = tl.dot(qe.to(tl.float16), tl.trans(ke.to(tl.float16))) + tl.dot(qo.to(tl.float16), tl.trans(ko.to(tl.float16)))
-        else:
-            s = tl.dot(qe, tl.trans(ke), input_precision="ieee") + tl.dot(qo, tl.trans(ko), input_precision="ieee")
+def _dot_t(a, b, DOT_T: tl.constexpr):
+    """a @ b^T (fp32 result) in the compute dtype's MMA (FP32 IEEE for DOT_T 0)."""
+    if DOT_T == 1:
+        return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+    elif DOT_T == 2:
+        return tl.dot(a.to(tl.float16), tl.trans(b.to(tl.float16)))
     else:
-        s = (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1))[None, :]
+        return tl.dot(a, tl.trans(b), input_precision="ieee")
+
+
+@triton.jit
+def _dot(p, v, DOT_T: tl.constexpr):
+    """p @ v (fp32 result), p rounded to the compute dtype as the PV product of dense attention."""
+    if DOT_T == 1:
+        return tl.dot(p.to(tl.bfloat16), v.to(tl.bfloat16))
+    elif DOT_T == 2:
+        return tl.dot(p.to(tl.float16), v.to(tl.float16))
+    else:
+        return tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
+def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale,
+            USE_DOT: tl.constexpr, DOT_T: tl.constexpr, PAIR: tl.constexpr = True):
+    """One online-softmax step over a key tile (keys already rounded to the compute dtype).
+    PAIR: q, keys, values and accumulator come as even/odd channel halves (the packed layout);
+    otherwise as whole rows in qe, ke, ve, acc_e (qo, ko, vo, acc_o unused)."""
+    if USE_DOT:
+        s = _dot_t(qe, ke, DOT_T)
+        if PAIR:
+            s += _dot_t(qo, ko, DOT_T)
+    else:
+        s = tl.sum(ke * qe, 1)
+        if PAIR:
+            s += tl.sum(ko * qo, 1)
+        s = s[None, :]
     s = s * scale
     vis = kvalid[None, :] & qvalid[:, None] & (kpos[None, :] <= qpos[:, None])
     s = tl.where(vis, s, float("-inf"))
@@ -450,21 +474,14 @@ def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e,
     pr = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
     if USE_DOT:
-        if DOT_T == 1:
-            pb = pr.to(tl.bfloat16)
-            acc_e = acc_e * alpha[:, None] + tl.dot(pb, ve.to(tl.bfloat16))
-            acc_o = acc_o * alpha[:, None] + tl.dot(pb, vo.to(tl.bfloat16))
-        elif DOT_T == 2:
-            pb = pr.to(tl.float16)
-            acc_e = acc_e * alpha[:, None] + tl.dot(pb, ve.to(tl.float16))
-            acc_o = acc_o * alpha[:, None] + tl.dot(pb, vo.to(tl.float16))
-        else:
-            acc_e = acc_e * alpha[:, None] + tl.dot(pr, ve, input_precision="ieee")
-            acc_o = acc_o * alpha[:, None] + tl.dot(pr, vo, input_precision="ieee")
+        acc_e = acc_e * alpha[:, None] + _dot(pr, ve, DOT_T)
+        if PAIR:
+            acc_o = acc_o * alpha[:, None] + _dot(pr, vo, DOT_T)
     else:
         pc = tl.trans(pr)  # [BN, 1]
         acc_e = acc_e * alpha[:, None] + tl.sum(pc * ve, 0)[None, :]
-        acc_o = acc_o * alpha[:, None] + tl.sum(pc * vo, 0)[None, :]
+        if PAIR:
+            acc_o = acc_o * alpha[:, None] + tl.sum(pc * vo, 0)[None, :]
     return m_new, l_i, acc_e, acc_o
 
 
@@ -560,7 +577,7 @@ def _attn_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
-    BNI: tl.constexpr = 32,
+    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -632,6 +649,33 @@ def _attn_kernel(
     run_inflight = z == NSTORED
     if FUSED:
         run_inflight = z >= 0
+    if WHOLE:
+        # prefill: the in-flight keys (every prompt key of a fresh prefill) as whole rows --
+        # contiguous loads, one MMA over D -- after the stored tiles' even/odd halves are joined
+        c = tl.arange(0, 2 * NP)
+        cmask = c < D
+        q_w = tl.reshape(tl.join(qe, qo), [BM, 2 * NP])
+        acc_w = tl.reshape(tl.join(acc_e, acc_o), [BM, 2 * NP])
+        t0 = 0
+        while t0 < Ti:
+            tk = t0 + tl.arange(0, BNI)
+            tkm = tk < Ti
+            kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tkm, other=-1)
+            kvalid = tkm & (kpos >= 0)
+            kmin = tl.min(tl.where(kvalid, kpos, 9223372036854775807), 0)
+            if kmin <= qmax:
+                km = kvalid[:, None] & cmask[None, :]
+                kt = tl.load(k_in + (b * sk_b + h * sk_h + tk * sk_t)[:, None] + c[None, :] * sk_d, mask=km, other=0.0)
+                vt = tl.load(v_in + (b * sv_b + h * sv_h + tk * sv_t)[:, None] + c[None, :] * sv_d, mask=km, other=0.0)
+                m_i, l_i, acc_w, _unused = _attend(
+                    q_w, q_w, kt.to(tl.float32), kt, vt.to(tl.float32), vt, kpos, kvalid, qpos, qvalid,
+                    m_i, l_i, acc_w, acc_w, scale, USE_DOT, DOT_T, False,
+                )
+            t0 += BNI
+        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        o = ((b * Hq + hq) * T + t)[:, None] * D + c[None, :]
+        tl.store(out + o, _round_to(acc_w * inv[:, None], CD).to(out.dtype.element_ty), mask=mmask[:, None] & cmask[None, :])
+        return
     if run_inflight:
         t0 = 0
         while t0 < Ti:
@@ -724,10 +768,11 @@ FAST_DECODE = {"enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, 
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
 # Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
-# in-flight key tile (a fresh prompt's keys are all in flight), warps. Not tuned yet: these are
-# the values every measurement so far ran with; `benchmarks/bench_packed_prefill.py --sweep`
+# in-flight key tile (a fresh prompt's keys are all in flight), warps, and whether the in-flight
+# keys are attended as whole rows (one MMA over D, contiguous loads) instead of the packed
+# layout's even/odd halves. Not tuned yet: these are the values every measurement so far ran with; `benchmarks/bench_packed_prefill.py --sweep`
 # times alternatives. FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
-PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 32, "num_warps": 8}
+PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 32, "num_warps": 8, "whole_rows": False}
 PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
 
 
@@ -831,6 +876,7 @@ def launch_packed_attention(
         bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
         bni = bn
+        whole = False  # split-K partials are stored as halves
         m_tiles = triton.cdiv(mrows, bm)
         if num_splits is not None:
             ns = num_splits
@@ -856,6 +902,7 @@ def launch_packed_attention(
         grid = (Bc * H, 1, m_tiles)
         fused = True
         warps = ptune["num_warps"]
+        whole = bool(ptune["whole_rows"])
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     wrap(_attn_kernel)[grid](
@@ -869,7 +916,7 @@ def launch_packed_attention(
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, BNI=bni,
-        num_warps=warps,
+        WHOLE=whole, num_warps=warps,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](
