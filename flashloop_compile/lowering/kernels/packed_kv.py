@@ -218,7 +218,7 @@ def _write_flush_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
-    k, v, positions, skey, scratch,
+    k, v, positions, skey, contig, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr,
@@ -251,20 +251,27 @@ def _write_flush_kernel(
     off = tl.load(res_layout + depth)
     cap = tl.load(res_layout + R + depth)
 
+    # the call's positions are first, first + 1, ... (a prompt or a chunk): index = p - first,
+    # no binary search (a chain of NSEARCH dependent loads per group)
+    consecutive = tl.load(contig + b) != 0
+    first = tl.load(positions + b * sp_b, mask=Tn > 0, other=-1)
     s = F
     while s < T_new:
         p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
-        # lower bound of p in this row's running-max positions (non-decreasing)
-        lo = tl.zeros([G], tl.int64)
-        hi = tl.zeros([G], tl.int64) + Tn
-        for _ in tl.static_range(NSEARCH):
-            open_ = lo < hi
-            mid = (lo + hi) // 2
-            kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
-            right = open_ & (kv < p)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(open_ & (kv >= p), mid, hi)
-        inb = lo < Tn
+        if consecutive:
+            lo = p - first
+        else:
+            # lower bound of p in this row's running-max positions (non-decreasing)
+            lo = tl.zeros([G], tl.int64)
+            hi = tl.zeros([G], tl.int64) + Tn
+            for _ in tl.static_range(NSEARCH):
+                open_ = lo < hi
+                mid = (lo + hi) // 2
+                kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
+                right = open_ & (kv < p)
+                lo = tl.where(right, mid + 1, lo)
+                hi = tl.where(open_ & (kv >= p), mid, hi)
+        inb = (lo >= 0) & (lo < Tn)
         idx = tl.where(inb, lo, 0)
         cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
         in_call = inb & (cp == p)
@@ -789,8 +796,12 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     scratch = torch.empty(Bc, 2, dtype=torch.int32, device=dev)
     if Tn:
         skey = torch.cummax(positions, dim=1).values.contiguous()
+        first = positions[:, :1]
+        steps = torch.arange(Tn, device=dev, dtype=positions.dtype)
+        contig = ((positions == first + steps).all(1) & (first >= 0).all(1)).to(torch.int32)
     else:
         skey = torch.zeros(Bc, 1, dtype=torch.int64, device=dev)
+        contig = torch.zeros(Bc, dtype=torch.int32, device=dev)
     # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
     # traced by Inductor) must not be specialized: bound it by the static context instead
     nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
@@ -798,7 +809,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
-        k, v, positions, skey, scratch,
+        k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
         D=D, G=G, NSEARCH=nsearch, BT=128, num_warps=8,
