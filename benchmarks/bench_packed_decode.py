@@ -139,6 +139,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then fast-path launch pa
     ("generic", {"fast": False, "tuning": {"enabled": False}}),
     *[(f"fast bn{bn} w{w} s{st} x{wv}", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}})
       for bn in (32, 64) for w in (4, 8) for st in (1, 3) for wv in (2, 4)],
+    # the untimed code variants at the current defaults (kernels/packed_kv.py FAST_DECODE)
+    *[(f"fast defaults{' dyn-depth' if dd else ''}{' bcast-v' if bv else ''}",
+       {"tuning": {"dynamic_depth": dd, "broadcast_v_params": bv}})
+      for dd in (False, True) for bv in (False, True)],
 ]
 
 
@@ -156,7 +160,7 @@ def sweep(args, l2) -> list[dict]:
                 kd, vd, pd = step[depth]
                 ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
                 nbytes = packed_bytes(cache, B, S - 1, depth)
-                for name, kw in SWEEP:
+                for name, kw in [(n, kw) for n, kw in SWEEP if args.variants in n]:
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth):
                         out = torch.empty_like(q)
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
@@ -185,6 +189,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
     ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
+    ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_packed_decode needs a CUDA device")

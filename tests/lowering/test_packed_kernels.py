@@ -76,7 +76,10 @@ def test_write_read_attention_match_aten(dtype):
                 ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
                 q1 = torch.randn(pos.shape[0], H, 1, D, generator=g).to(dtype)
                 ref1 = P.packed_attention_aten(q1, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
-                for kw in (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 32})):
+                variants = (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 32}),
+                            dict(tuning={"dynamic_depth": True}), dict(tuning={"broadcast_v_params": True}),
+                            dict(num_splits=2, tuning={"dynamic_depth": True, "broadcast_v_params": True}))
+                for kw in variants:
                     out = attention_kernel(ck, 0, q1, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref1.float(), atol=tol, rtol=tol)
         for b, rf in enumerate(fw):
@@ -131,3 +134,29 @@ def test_overflow_matches_aten():
         write_kernel(ck, 0, k + d, v - d, pos, d)
         assert_same_cache(ca, ck, f"depth {d}")
     assert ck.overflow.item() == 1
+
+
+@pytest.mark.parametrize("tuning", [{}, {"dynamic_depth": True}, {"broadcast_v_params": True},
+                                    {"dynamic_depth": True, "broadcast_v_params": True}])
+def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
+    # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
+    # 1-2 on a nested subset (absent rows inherit), one decode token at each depth
+    d_, s_ = 128, 192
+    cache = PackedKVCache(1, 3, 1, s_, 1, d_, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    n = 160
+    k, v = torch.randn(1, 1, n, d_, generator=g), torch.randn(1, 1, n, d_, generator=g)
+    pos = torch.arange(n)[None]
+    keep = torch.ones(n, dtype=torch.bool)
+    for d in range(3):
+        if d:
+            keep &= torch.rand(n, generator=g) < 0.6
+        sel = pos[:, keep]
+        P.packed_kv_write_aten(*cache.op_tensors(0), (k + d * 0.3)[:, :, keep], (v - d * 0.2)[:, :, keep], sel, d)
+    ki, vi = torch.randn(1, 1, 1, d_, generator=g), torch.randn(1, 1, 1, d_, generator=g)
+    ipos = torch.tensor([[n]])
+    q = torch.randn(1, 1, 1, d_, generator=g)
+    for d in range(3):
+        ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, d, *cache.op_tensors(0), 0.1)
+        out = attention_kernel(cache, 0, q, ki, vi, ipos, ipos, d, 0.1, num_splits=2, tuning=tuning)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -493,6 +493,55 @@ def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e,
 
 
 @triton.jit
+def _v_params(v_min, v_scale, r, rmask, imask, vgrp, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
+              NP: tl.constexpr, VBCAST: tl.constexpr):
+    """FP32 V (minimum, scale) [BN, NP] of rows r [BN] (rmask False: 0), per channel pair i of
+    group i // (G / 2). VBCAST: one load per (row, group), broadcast over the group's pairs
+    (needs NP == NG * G / 2)."""
+    if VBCAST:
+        gi = tl.arange(0, NG)
+        vp = r[:, None] * NG + gi[None, :]
+        m2 = rmask[:, None]
+        mn = tl.load(v_min + vp, mask=m2, other=0.0).to(tl.float32)
+        sc = tl.load(v_scale + vp, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, NP])
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, NP])
+    else:
+        vp = r[:, None] * NG + vgrp
+        m2 = rmask[:, None] & imask
+        mn = tl.load(v_min + vp, mask=m2, other=0.0).to(tl.float32)
+        sc = tl.load(v_scale + vp, mask=m2, other=0.0).to(tl.float32)
+    return mn, sc
+
+
+@triton.jit
+def _fast_residual(
+    j, jm, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
+    k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB,
+    D: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, VBCAST: tl.constexpr,
+):
+    """Add residual j (where present; jm False: nothing, no traffic) to a tile's K/V halves."""
+    HD: tl.constexpr = D // 2
+    rj = tl.load(rows + ((j - 1) * B + b) * S + p, mask=jm, other=-1)
+    has = rj >= 0
+    h2 = has[:, None] & imask
+    g = tl.load(res_layout + j) + tl.where(has, rj, 0)
+    pk = kp + (((j - 1) * B + b) * H + h) * NB * D
+    c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+    de = tl.load(k_res_min + pk, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(
+        k_res_scale + pk, mask=jm & imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
+    do = tl.load(k_res_min + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(
+        k_res_scale + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
+    ke = tl.where(h2, ke + de, ke)
+    ko = tl.where(h2, ko + do, ko)
+    c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+    vmn, vsc = _v_params(vr_min, vr_scale, g, has, imask, vgrp, BN, NG, G, NP, VBCAST)
+    ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+    vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+    return ke, ko, ve, vo
+
+
+@triton.jit
 def _fast_decode_tiles(
     qe, qo, lo, hi, b, h, depth, scale,
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -500,7 +549,7 @@ def _fast_decode_tiles(
     rows, res_layout, m_i, l_i, acc_e, acc_o,
     B, H, S, NB, CAPT,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, RL: tl.constexpr, BN: tl.constexpr,
-    STAGES: tl.constexpr, CD: tl.constexpr,
+    STAGES: tl.constexpr, CD: tl.constexpr, DYN_DEPTH: tl.constexpr = False, VBCAST: tl.constexpr = False,
 ):
     """Online softmax of one query row (qe/qo [1, NP]) over key tiles lo..hi-1 of BN keys that lie
     below every depth's flushed boundary (the packed bulk of a long context).
@@ -509,7 +558,12 @@ def _fast_decode_tiles(
     residual j (1 <= j <= depth) is present exactly where rows_j >= 0 (nested sets: a token
     computed at depth j was computed at every earlier depth), so the loads have no data-dependent
     branches and the tile loop is software-pipelined. Unused depths (j > depth) are masked off
-    loads (no memory traffic)."""
+    loads (no memory traffic).
+
+    Variants (launch parameters, timed by bench_packed_decode --sweep): DYN_DEPTH runs the
+    residual loop to ``depth`` (a runtime bound) instead of masking every depth up to RL - 1;
+    VBCAST loads a tile's V parameters once per (key, group) and broadcasts them over the group's
+    channels instead of loading them per channel."""
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     bh = b * H + h
@@ -534,29 +588,23 @@ def _fast_decode_tiles(
         ke = tl.load(kb_min + kp, mask=imask, other=0.0).to(tl.float32) + tl.load(kb_scale + kp, mask=imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
         ko = tl.load(kb_min + kp + 1, mask=imask, other=0.0).to(tl.float32) + tl.load(kb_scale + kp + 1, mask=imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
         c = tl.load(vb_codes + p[:, None] * HD + i[None, :], mask=imask, other=0).to(tl.int32)
-        vp = p[:, None] * NG + vgrp
-        vmn = tl.load(vb_min + vp, mask=imask, other=0.0).to(tl.float32)
-        vsc = tl.load(vb_scale + vp, mask=imask, other=0.0).to(tl.float32)
+        vmn, vsc = _v_params(vb_min, vb_scale, p, p >= 0, imask, vgrp, BN, NG, G, NP, VBCAST)
         ve = vmn + vsc * (c & 15).to(tl.float32)
         vo = vmn + vsc * (c >> 4).to(tl.float32)
-        for j in tl.static_range(1, RL):
-            jm = j <= depth
-            rj = tl.load(rows + ((j - 1) * B + b) * S + p, mask=jm, other=-1)
-            has = rj >= 0
-            h2 = has[:, None] & imask
-            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
-            pk = kp + (((j - 1) * B + b) * H + h) * NB * D
-            c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-            de = tl.load(k_res_min + pk, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(k_res_scale + pk, mask=jm & imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
-            do = tl.load(k_res_min + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(k_res_scale + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
-            ke = tl.where(h2, ke + de, ke)
-            ko = tl.where(h2, ko + do, ko)
-            c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-            vp = g[:, None] * NG + vgrp
-            vmn = tl.load(vr_min + vp, mask=h2, other=0.0).to(tl.float32)
-            vsc = tl.load(vr_scale + vp, mask=h2, other=0.0).to(tl.float32)
-            ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
-            vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+        if DYN_DEPTH:
+            j = 1
+            while j <= depth:
+                ke, ko, ve, vo = _fast_residual(
+                    j, True, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
+                    k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB, D, BN, NG, G, NP, VBCAST,
+                )
+                j += 1
+        else:
+            for j in tl.static_range(1, RL):
+                ke, ko, ve, vo = _fast_residual(
+                    j, j <= depth, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
+                    k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB, D, BN, NG, G, NP, VBCAST,
+                )
         ke = _round_to(ke, CD)
         ko = _round_to(ko, CD)
         s = (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1)) * scale  # [BN]
@@ -584,7 +632,7 @@ def _attn_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
-    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False,
+    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False, DYN_DEPTH: tl.constexpr = False, VBCAST: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -629,7 +677,7 @@ def _attn_kernel(
                 k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
                 k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
                 rows, res_layout, m_i, l_i, acc_e, acc_o,
-                B, H, S, NB, CAPT, D, G, NP, RL, BNF, STAGES, CD,
+                B, H, S, NB, CAPT, D, G, NP, RL, BNF, STAGES, CD, DYN_DEPTH, VBCAST,
             )
             t_hi = tile
     else:
@@ -771,7 +819,12 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # --sweep` on the H200 (2026-11-30, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, no
 # pipelining stages (stages 3 cost 20-30%), four waves of splits). FLASHLOOP_FAST_DECODE='{"num_warps": 8}'
 # (JSON) overrides entries for a run without editing the defaults.
-FAST_DECODE = {"enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4}
+# Two untimed variants, off: "dynamic_depth" (residual loop bounded by the depth at run time, not
+# masked up to R - 1) and "broadcast_v_params" (V parameters loaded once per key and group).
+FAST_DECODE = {
+    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4,
+    "dynamic_depth": False, "broadcast_v_params": False,
+}
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
 # Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
@@ -927,7 +980,9 @@ def launch_packed_attention(
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, BNI=bni,
-        WHOLE=whole, num_warps=warps,
+        WHOLE=whole, DYN_DEPTH=bool(tune["dynamic_depth"]),
+        VBCAST=bool(tune["broadcast_v_params"]) and np_ == D // 2 and (D // G) & (D // G - 1) == 0,
+        num_warps=warps,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](
