@@ -594,8 +594,8 @@ def _fast_decode_tiles(
         if DYN_DEPTH:
             j = 1
             while j <= depth:
-                ke, ko, ve, vo = _fast_residual(
-                    j, True, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
+                ke, ko, ve, vo = _fast_residual(  # the mask as a tensor, as in the static form
+                    j, j <= depth, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
                     k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB, D, BN, NG, G, NP, VBCAST,
                 )
                 j += 1
