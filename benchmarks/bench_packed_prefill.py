@@ -15,7 +15,8 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
   depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_kv.py
-PACKED_PREFILL: tiles, warps, in-flight keys as whole rows or as even/odd halves). Self-check first: every attention variant against causal SDPA (2e-2).
+PACKED_PREFILL: tiles, warps, in-flight keys as whole rows or as even/odd halves) and the packed
+write with several flush programs per (batch, head) (PACKED_WRITE chunks). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
 Without CUDA: a smoke run on tiny shapes through the ops' ATen bodies (numbers meaningless).
@@ -77,11 +78,16 @@ def main() -> None:
                 return out
             return run
 
-        def write(depth):
+        def write(depth, chunks=None):
+            from flashloop_compile.lowering.kernels import packed_kv as K
+
             def run():
                 cache.reset()
                 for d in range(depth + 1):
-                    P.packed_kv_write(cache, 0, k, v, pos, d)
+                    if chunks is None:
+                        P.packed_kv_write(cache, 0, k, v, pos, d)
+                    else:
+                        K.launch_packed_kv_write(cache.op_tensors(0), k, v, pos, d, chunks=chunks)
             return run
 
         ops = {
@@ -97,6 +103,8 @@ def main() -> None:
                 for bm, bni, w in grid:
                     tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "whole_rows": whole}
                     ops[f"packed bm{bm} bni{bni} w{w}{' whole' if whole else ''}"] = launched(tuning)
+            for chunks in (4, 16, 64):
+                ops[f"packed_kv_write d0+d1 x{chunks}"] = write(1, chunks)
         ref = ops["sdpa_causal"]().float()
         for name in [n for n in ops if "attention" in n or n.startswith("packed bm")]:
             err = (ops[name]().float() - ref).abs().max().item()

@@ -14,8 +14,8 @@ from tests.lowering.packed_scenario import batched_depth_call, batched_inflight,
 H, D, R, S = 2, 64, 4, 256
 
 
-def write_kernel(cache, layer, k, v, pos, depth):
-    K.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth)
+def write_kernel(cache, layer, k, v, pos, depth, chunks=None):
+    K.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth, chunks=chunks)
 
 
 def read_kernel(cache, layer, pos, depth):
@@ -121,6 +121,37 @@ def test_decode_attention_single_query_and_gqa_dot_path():
             for ns in (1, 4):
                 out = attention_kernel(cache, 0, q, ki, vi, ipos, ipos, d, 0.2, num_splits=ns)
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [2, 5])
+def test_chunked_flush_writes_the_same_cache(chunks):
+    # several flush programs per (batch, head), each a range of groups: the same cache tensors
+    # (residual rows allocated in position order across ranges) over the mixed scenario
+    ca = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
+    ck = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
+    for f, fw in enumerate(scenario(H, D, R, torch.float32, seed=3)):
+        for d in range(R):
+            k, v, pos = batched_depth_call(fw, d, H, D, torch.float32, pad="left" if f == 1 else "right")
+            P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
+            write_kernel(ck, 0, k, v, pos, d, chunks=chunks)
+            assert_same_cache(ca, ck, f"forward {f} depth {d} ({chunks} ranges)")
+    # one long prompt: six groups flushed per call, depths 2-3 on nested subsets (token-sparse
+    # rows: residual rows allocated in position order across the ranges), a ragged second row
+    ca = PackedKVCache(1, R, 2, 512, H, D, dtype=torch.float32)
+    ck = PackedKVCache(1, R, 2, 512, H, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    n = 450
+    k, v = torch.randn(2, H, n, D, generator=g), torch.randn(2, H, n, D, generator=g)
+    pos = torch.arange(n)[None].repeat(2, 1)
+    pos[1, 300:] = -1
+    keep = torch.ones(2, n, dtype=torch.bool)
+    for d in range(R):
+        if d >= 2:
+            keep &= torch.rand(2, n, generator=g) < 0.5
+        sel = torch.where(keep, pos, -1)
+        P.packed_kv_write_aten(*ca.op_tensors(0), k + d, v - d, sel, d)
+        write_kernel(ck, 0, k + d, v - d, sel, d, chunks=chunks)
+        assert_same_cache(ca, ck, f"long prompt depth {d} ({chunks} ranges)")
 
 
 def test_overflow_matches_aten():

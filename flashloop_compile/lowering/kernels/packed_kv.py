@@ -213,6 +213,39 @@ def _reconstruct(
 # ------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _group_active(s, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S,
+                  G: tl.constexpr, NSEARCH: tl.constexpr):
+    """The G positions p of the group starting at s: each one's index in this call's positions
+    (idx, valid where inb), whether the call writes it (in_call), and whether the flush stores it
+    (act: every position at depth 0; at depth d > 0 those written now or written at a later depth
+    before, i.e. the tokens with a residual at d)."""
+    p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
+    if consecutive:
+        lo = p - first
+    else:
+        # lower bound of p in this row's running-max positions (non-decreasing)
+        lo = tl.zeros([G], tl.int64)
+        hi = tl.zeros([G], tl.int64) + Tn
+        for _ in tl.static_range(NSEARCH):
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
+            right = open_ & (kv < p)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(open_ & (kv >= p), mid, hi)
+    inb = (lo >= 0) & (lo < Tn)
+    idx = tl.where(inb, lo, 0)
+    cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
+    in_call = inb & (cp == p)
+    if depth == 0:
+        act = p >= 0
+    else:
+        dcv = tl.load(depth_count + b * S + p).to(tl.int32)
+        act = in_call | (dcv > depth)
+    return p, idx, inb, in_call, act
+
+
 @triton.jit(do_not_specialize=["depth_arg"])
 def _write_flush_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -221,7 +254,7 @@ def _write_flush_kernel(
     k, v, positions, skey, contig, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
-    D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, NCH: tl.constexpr = 1,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -255,31 +288,25 @@ def _write_flush_kernel(
     # no binary search (a chain of NSEARCH dependent loads per group)
     consecutive = tl.load(contig + b) != 0
     first = tl.load(positions + b * sp_b, mask=Tn > 0, other=-1)
-    s = F
-    while s < T_new:
-        p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
-        if consecutive:
-            lo = p - first
-        else:
-            # lower bound of p in this row's running-max positions (non-decreasing)
-            lo = tl.zeros([G], tl.int64)
-            hi = tl.zeros([G], tl.int64) + Tn
-            for _ in tl.static_range(NSEARCH):
-                open_ = lo < hi
-                mid = (lo + hi) // 2
-                kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
-                right = open_ & (kv < p)
-                lo = tl.where(right, mid + 1, lo)
-                hi = tl.where(open_ & (kv >= p), mid, hi)
-        inb = (lo >= 0) & (lo < Tn)
-        idx = tl.where(inb, lo, 0)
-        cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
-        in_call = inb & (cp == p)
-        if depth == 0:
-            act = p >= 0
-        else:
-            dcv = tl.load(depth_count + b * S + p).to(tl.int32)
-            act = in_call | (dcv > depth)
+    # NCH programs per (b, h) split the row's groups into contiguous ranges; each first counts
+    # the rows the groups before its range allocate (depth > 0 allocates residual rows in order)
+    n_groups = (T_new - F + G - 1) // G  # F, T_new: multiples of G (max_seq is one)
+    c = tl.program_id(2)
+    g_lo = (c * n_groups) // NCH
+    s = F + g_lo * G
+    s_end = F + ((c + 1) * n_groups) // NCH * G
+    if NCH > 1:
+        s2 = F
+        while s2 < s:
+            _p, _idx, _inb, _in_call, act = _group_active(
+                s2, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S, G, NSEARCH,
+            )
+            row += tl.sum(act.to(tl.int32), 0)
+            s2 += G
+    while s < s_end:
+        p, idx, inb, in_call, act = _group_active(
+            s, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S, G, NSEARCH,
+        )
         n_act = tl.sum(act.to(tl.int32), 0)
         if n_act > 0:
             local = row + tl.cumsum(act.to(tl.int32), 0) - 1
@@ -353,7 +380,7 @@ def _write_flush_kernel(
                     tl.store(v_res_scale + vpp, vsc, mask=fits)
             row += n_act
         s += G
-    if h == 0:
+    if (h == 0) & (c == NCH - 1):  # the last range's count is the row's total
         tl.store(scratch + b * 2, T_new)
         tl.store(scratch + b * 2 + 1, row)
 
@@ -827,6 +854,12 @@ FAST_DECODE = {
 }
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
+# Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
+# (1: one program walks them all, the layout every measurement so far ran with; a prompt has
+# T/64 groups). Not timed: bench_packed_prefill times packed_kv_write. FLASHLOOP_PACKED_WRITE.
+PACKED_WRITE = {"chunks": 1}
+PACKED_WRITE.update(json.loads(os.environ.get("FLASHLOOP_PACKED_WRITE", "{}")))
+
 # Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
 # in-flight key tile (a fresh prompt's keys are all in flight), warps, and whether the in-flight
 # keys are attended as whole rows (one MMA over D, contiguous loads) instead of the packed
@@ -836,8 +869,9 @@ PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 32, "num_warps": 8, "whole_
 PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
 
 
-def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap) -> None:
-    """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops)."""
+def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
+    """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
+    ``chunks``: flush programs per (batch, head) (default PACKED_WRITE["chunks"])."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -858,14 +892,15 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
     # traced by Inductor) must not be specialized: bound it by the static context instead
     nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
-    wrap(_write_flush_kernel)[(Bc, H)](
+    chunks = max(1, int(PACKED_WRITE["chunks"] if chunks is None else chunks))
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NSEARCH=nsearch, BT=128, num_warps=8,
+        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, num_warps=8,
     )
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
