@@ -11,10 +11,12 @@ D/2 "pairs" -- pair i holds channels 2i (low nibble, "even") and 2i+1 (high nibb
 row of packed codes is loaded once as [*, D/2] bytes and never interleaved in registers.
 
 Kernels:
-- ``_write_flush_kernel`` [B, H]: quantize the whole G-token blocks a write moves out of the tail
-  window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1); values
-  of earlier calls come from the ring, values of this call from k/v (found by binary search in the
-  call's positions). Writes the position -> row map (h == 0) and the new counters to a scratch.
+- ``_write_flush_kernel`` [B, H, ranges]: quantize the whole G-token blocks a write moves out of
+  the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1);
+  values of earlier calls come from the ring, values of this call from k/v (at p - first when the
+  call's positions are consecutive, else found by binary search). Each range of blocks first
+  counts the residual rows allocated before it. Writes the position -> row map (h == 0) and the
+  new counters to a scratch.
 - ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
   ring; depth_count and the counters are committed (separate launch: the flush must read the ring
   before it is overwritten).
