@@ -465,6 +465,18 @@ def _read_kernel(
 
 
 @triton.jit
+def _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI: tl.constexpr):
+    """In-flight keys t0..t0+BNI-1 of row b: indices, positions, validity, smallest valid position
+    (a tile whose keys all lie after every query is skipped by the caller)."""
+    tk = t0 + tl.arange(0, BNI)
+    tkm = tk < Ti
+    kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tkm, other=-1)
+    kvalid = tkm & (kpos >= 0)
+    kmin = tl.min(tl.where(kvalid, kpos, 9223372036854775807), 0)
+    return tk, kpos, kvalid, kmin
+
+
+@triton.jit
 def _dot_t(a, b, DOT_T: tl.constexpr):
     """a @ b^T (fp32 result) in the compute dtype's MMA (FP32 IEEE for DOT_T 0)."""
     if DOT_T == 1:
@@ -742,11 +754,7 @@ def _attn_kernel(
         acc_w = tl.reshape(tl.join(acc_e, acc_o), [BM, 2 * NP])
         t0 = 0
         while t0 < Ti:
-            tk = t0 + tl.arange(0, BNI)
-            tkm = tk < Ti
-            kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tkm, other=-1)
-            kvalid = tkm & (kpos >= 0)
-            kmin = tl.min(tl.where(kvalid, kpos, 9223372036854775807), 0)
+            tk, kpos, kvalid, kmin = _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI)
             if kmin <= qmax:
                 km = kvalid[:, None] & cmask[None, :]
                 kt = tl.load(k_in + (b * sk_b + h * sk_h + tk * sk_t)[:, None] + c[None, :] * sk_d, mask=km, other=0.0)
@@ -763,11 +771,7 @@ def _attn_kernel(
     if run_inflight:
         t0 = 0
         while t0 < Ti:
-            tk = t0 + tl.arange(0, BNI)
-            tkm = tk < Ti
-            kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tkm, other=-1)
-            kvalid = tkm & (kpos >= 0)
-            kmin = tl.min(tl.where(kvalid, kpos, 9223372036854775807), 0)
+            tk, kpos, kvalid, kmin = _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI)
             if kmin <= qmax:
                 km = kvalid[:, None] & imask[None, :]
                 ko_ = (b * sk_b + h * sk_h + tk * sk_t)[:, None] + (2 * i)[None, :] * sk_d
