@@ -251,7 +251,7 @@ def propagate_fake_values(gm: fx.GraphModule) -> None:
                     if isinstance(to, sympy.Integer):
                         log.warning(
                             "fake propagation of %s specialized the dynamic size %s to %s (from %s)",
-                            n.format_node(), sym, to, n.meta.get("stack_trace", "?").strip().splitlines()[-1:],
+                            n.format_node(), sym, to, (n.meta.get("stack_trace") or "?").strip().splitlines()[-1:],
                         )
                 known.update(env.replacements)
             return out
