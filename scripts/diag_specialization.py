@@ -9,6 +9,7 @@ import traceback
 
 import pytest
 import sympy
+import torch
 from torch.fx.experimental import symbolic_shapes
 
 _orig = symbolic_shapes.ShapeEnv._set_replacement
@@ -44,12 +45,17 @@ FakeTensorProp.run_node = _run_node
 _orig_set = _set_replacement
 
 
+def _describe(x):
+    # no repr of symbolic shapes: printing one resolves replacements and re-enters this hook
+    return f"tensor(ndim={x.dim()}, {x.dtype}, {x.device})" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
 def _set_replacement_with_node(self, a, tgt, msg):
     if _current and isinstance(tgt, sympy.Integer) and int(tgt) > 2:
         n = _current[-1]
-        args = [getattr(x, "meta", {}).get("val", x) for x in n.args]
-        print(f"=== while propagating {n.format_node()}\n    target {n.target}\n    args {args}\n"
-              f"    from {n.meta.get('stack_trace', '')[-600:]}", file=sys.stderr)
+        args = [_describe(getattr(x, "meta", {}).get("val", x)) for x in n.args]
+        print(f"=== while propagating {n.op} {n.name} target {n.target}\n    args {args}\n"
+              f"    from {(n.meta.get('stack_trace') or '')[-600:]}", file=sys.stderr)
     return _orig_set(self, a, tgt, msg)
 
 

@@ -43,3 +43,15 @@ def test_symbolic_nodes_stay_quiet(caplog):
     assert not caplog.records
     out = [n for n in gm.graph.nodes if n.op == "call_function"][0]
     assert isinstance(out.meta["val"].shape[0], torch.SymInt)
+
+
+def _dispatcher_state(t):
+    _dispatcher_state.seen = torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
+    return t.clone()
+
+
+def test_propagation_runs_under_the_python_dispatcher_like_dynamo():
+    # Without it, C++ composite kernels (CUDA `linear` on a 3-D input) read sizes as ints and
+    # specialize the prompt length of the engine's dynamic prefill graph.
+    propagate_fake_values(_graph(_dispatcher_state, _dynamic_input()))
+    assert _dispatcher_state.seen is True

@@ -852,26 +852,30 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # --sweep` on the H200 (2026-11-30, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, no
 # pipelining stages (stages 3 cost 20-30%), four waves of splits). FLASHLOOP_FAST_DECODE='{"num_warps": 8}'
 # (JSON) overrides entries for a run without editing the defaults.
-# Two untimed variants, off: "dynamic_depth" (residual loop bounded by the depth at run time, not
-# masked up to R - 1) and "broadcast_v_params" (V parameters loaded once per key and group).
+# "dynamic_depth" (residual loop bounded by the depth at run time, not masked up to R - 1): on since
+# session 4's sweep (B=1/4 x 32K: depth 1 1.55x/1.48x faster, depth 3 1.04x faster/1.04x slower;
+# benchmarks/RESULTS.md). "broadcast_v_params" (V parameters loaded once per key and group): off,
+# within +-8% either way in the same sweep.
 FAST_DECODE = {
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4,
-    "dynamic_depth": False, "broadcast_v_params": False,
+    "dynamic_depth": True, "broadcast_v_params": False,
 }
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
-# (1: one program walks them all, the layout every measurement so far ran with; a prompt has
-# T/64 groups). Not timed: bench_packed_prefill times packed_kv_write. FLASHLOOP_PACKED_WRITE.
-PACKED_WRITE = {"chunks": 1}
+# (a prompt has T/64 groups). 16: the best of bench_packed_prefill --sweep on the H200 (session 4,
+# loop-2 write of a 4K/8K prompt: 1 chunk 3.74/7.19 ms, 4: 1.32/2.31, 16: 0.76/1.43, 64: 1.11/1.58).
+# FLASHLOOP_PACKED_WRITE (JSON) overrides.
+PACKED_WRITE = {"chunks": 16}
 PACKED_WRITE.update(json.loads(os.environ.get("FLASHLOOP_PACKED_WRITE", "{}")))
 
 # Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
 # in-flight key tile (a fresh prompt's keys are all in flight), warps, and whether the in-flight
 # keys are attended as whole rows (one MMA over D, contiguous loads) instead of the packed
-# layout's even/odd halves. Not tuned yet: these are the values every measurement so far ran with; `benchmarks/bench_packed_prefill.py --sweep`
-# times alternatives. FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
-PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 32, "num_warps": 8, "whole_rows": False}
+# layout's even/odd halves. The best of `benchmarks/bench_packed_prefill.py --sweep` on the H200
+# (session 4, a 4K/8K prompt at loop 1: 0.78/2.07 ms; the earlier halves with bm64 bni32 w8
+# 4.18/15.09 ms; causal SDPA 0.18/0.55 ms). FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
+PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 64, "num_warps": 4, "whole_rows": True}
 PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
 
 
