@@ -143,6 +143,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then fast-path launch pa
     *[(f"fast defaults{' dyn-depth' if dd else ''}{' bcast-v' if bv else ''}",
        {"tuning": {"dynamic_depth": dd, "broadcast_v_params": bv}})
       for dd in (False, True) for bv in (False, True)],
+    # the separate bulk kernel (FAST_DECODE "bulk_kernel"; scripts/kernel_report.py: no spills,
+    # vectorized parameter loads), its tile, warps and split waves
+    *[(f"fast bulk bn{bn} w{w} x{wv}", {"tuning": {"bulk_kernel": True, "block_n": bn, "num_warps": w, "waves": wv}})
+      for bn in (16, 32, 64) for w in (4, 8) for wv in (4, 8)],
 ]
 
 

@@ -78,7 +78,8 @@ def test_write_read_attention_match_aten(dtype):
                 ref1 = P.packed_attention_aten(q1, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
                 variants = (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 32}),
                             dict(tuning={"dynamic_depth": False}), dict(tuning={"broadcast_v_params": True}),
-                            dict(num_splits=2, tuning={"dynamic_depth": True, "broadcast_v_params": True}))
+                            dict(num_splits=2, tuning={"dynamic_depth": True, "broadcast_v_params": True}),
+                            dict(tuning={"bulk_kernel": True}), dict(num_splits=2, tuning={"bulk_kernel": True, "dynamic_depth": False}))
                 for kw in variants:
                     out = attention_kernel(ck, 0, q1, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref1.float(), atol=tol, rtol=tol)
@@ -167,8 +168,9 @@ def test_overflow_matches_aten():
     assert ck.overflow.item() == 1
 
 
-@pytest.mark.parametrize("tuning", [{}, {"dynamic_depth": False}, {"broadcast_v_params": True},
-                                    {"dynamic_depth": True, "broadcast_v_params": True}])
+@pytest.mark.parametrize("tuning", [{}, {"dynamic_depth": False}, {"broadcast_v_params": True}, {"bulk_kernel": True},
+                                    {"dynamic_depth": True, "broadcast_v_params": True}],
+                         ids=["defaults", "static_depth", "bcast_v", "bulk_kernel", "dyn_depth_bcast_v"])
 def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
     # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
     # 1-2 on a nested subset (absent rows inherit), one decode token at each depth

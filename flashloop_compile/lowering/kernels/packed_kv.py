@@ -68,8 +68,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
-
+def _cpu_semantics(t: torch.Tensor) -> bool:
+    """Launch choices for the interpreter (FP32 dots, larger tiles): under TRITON_INTERPRET or on
+    CPU tensors. scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
+    return _interpreting() or t.device.type != "cuda"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -659,6 +661,132 @@ def _fast_decode_tiles(
     return m_i, l_i, acc_e, acc_o
 
 
+@triton.jit
+def _pair_params(ptr, off, HD: tl.constexpr):
+    """FP32 (even, odd) channel parameters [1, HD] of the D = 2 * HD contiguous fp16 values at
+    ptr + off: one contiguous (vectorized) load, split into the packed layout's halves."""
+    x = tl.load(ptr + off + tl.arange(0, 2 * HD)).to(tl.float32)
+    e, o = tl.split(tl.reshape(x, [HD, 2]))
+    return e[None, :], o[None, :]
+
+
+@triton.jit
+def _row_group_params(v_min, v_scale, r, rmask, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, HD: tl.constexpr):
+    """FP32 V (minimum, scale) [BN, HD] of rows r [BN]: one load of a row's NG groups (contiguous),
+    broadcast over each group's G / 2 channel pairs."""
+    gi = tl.arange(0, NG)
+    vp = r[:, None] * NG + gi[None, :]
+    mn = tl.load(v_min + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
+    sc = tl.load(v_scale + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
+    mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, HD])
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, HD])
+    return mn, sc
+
+
+@triton.jit(do_not_specialize=["depth_arg"])
+def _decode_bulk_kernel(
+    q, q_positions, p0, flushed,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    rows, res_layout, part_ml, part_acc,
+    sq_b, sq_h, sq_d, sqp_b, depth_arg, scale, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
+    CD: tl.constexpr, STAGES: tl.constexpr,
+):
+    """The packed bulk of one-query-row decode (FAST_DECODE "bulk_kernel"): split z < NSTORED of
+    the key tiles below every depth's flushed boundary, as _fast_decode_tiles defines them, in a
+    kernel of its own so that its registers are not the generic tail's (_attn_kernel with BULK
+    takes split NSTORED). Per tile, K first (base + residuals 1..depth where present, scores,
+    online-softmax update), then V: two of the four [BN, D/2] tiles live at a time; parameters
+    are loaded contiguously (K: a block's D channels; V: a row's groups). Same arithmetic, in the
+    same order, as the fused path; partials in its layout for _combine_kernel."""
+    depth = depth_arg - _DEPTH_BIAS
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    NSPL: tl.constexpr = NSTORED + 1
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    z = tl.program_id(1)
+    qpos = tl.load(q_positions + b * sqp_b + tl.arange(0, 1))
+    P0 = tl.load(p0 + b)
+    e_ = tl.arange(0, RP)
+    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= depth, other=2147483647), 0)
+    nfast = tl.minimum(fl_min, P0) // BN
+    nfast = tl.where(tl.max((qpos >= 0).to(tl.int32), 0) > 0, nfast, 0)
+    lo = (z * nfast) // NSTORED
+    hi = ((z + 1) * nfast) // NSTORED
+    i = tl.arange(0, HD)
+    qn = tl.load(q + b * sq_b + h * sq_h + tl.arange(0, D) * sq_d).to(tl.float32)
+    qe, qo = tl.split(tl.reshape(qn, [HD, 2]))
+    qe = qe[None, :]
+    qo = qo[None, :]
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc_e = tl.zeros([1, HD], tl.float32)
+    acc_o = tl.zeros([1, HD], tl.float32)
+    kb_codes = k_base + bh * S * HD
+    vb_codes = v_base + bh * S * HD
+    kb_min = k_base_min + bh * NB * D
+    kb_scale = k_base_scale + bh * NB * D
+    vb_min = v_base_min + bh * S * NG
+    vb_scale = v_base_scale + bh * S * NG
+    kr_codes = k_res + bh * CAPT * HD
+    vr_codes = v_res + bh * CAPT * HD
+    vr_min = v_res_min + bh * CAPT * NG
+    vr_scale = v_res_scale + bh * CAPT * NG
+    for tile in tl.range(lo, hi, num_stages=STAGES):
+        p = tile * BN + tl.arange(0, BN)  # int32: positions < S
+        blk = (tile * BN) // G
+        c = tl.load(kb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
+        mn_e, mn_o = _pair_params(kb_min, blk * D, HD)
+        sc_e, sc_o = _pair_params(kb_scale, blk * D, HD)
+        ke = mn_e + sc_e * (c & 15).to(tl.float32)
+        ko = mn_o + sc_o * (c >> 4).to(tl.float32)
+        j = 1
+        while j <= depth:
+            rj = tl.load(rows + ((j - 1) * B + b) * S + p)
+            has = rj >= 0
+            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
+            c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
+            pk = (((j - 1) * B + b) * H + h) * NB * D + blk * D
+            mn_e, mn_o = _pair_params(k_res_min, pk, HD)
+            sc_e, sc_o = _pair_params(k_res_scale, pk, HD)
+            ke = tl.where(has[:, None], ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
+            ko = tl.where(has[:, None], ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
+            j += 1
+        s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
+        m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
+        l_i = l_i * alpha + tl.sum(pr, 0)
+        m_i = m_new
+        c = tl.load(vb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
+        vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BN, NG, G, HD)
+        ve = vmn + vsc * (c & 15).to(tl.float32)
+        vo = vmn + vsc * (c >> 4).to(tl.float32)
+        j = 1
+        while j <= depth:
+            rj = tl.load(rows + ((j - 1) * B + b) * S + p)
+            has = rj >= 0
+            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
+            c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
+            vmn, vsc = _row_group_params(vr_min, vr_scale, g, has, BN, NG, G, HD)
+            ve = tl.where(has[:, None], ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+            vo = tl.where(has[:, None], vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+            j += 1
+        acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
+        acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
+    prow = bh * NSPL + z
+    one = tl.arange(0, 1)
+    tl.store(part_ml + prow * 2 + one, m_i)
+    tl.store(part_ml + prow * 2 + 1 + one, l_i)
+    o = prow * D + 2 * i[None, :]
+    tl.store(part_acc + o, acc_e)
+    tl.store(part_acc + o + 1, acc_o)
+
+
 @triton.jit(do_not_specialize=["depth_arg"])
 def _attn_kernel(
     q, k_in, v_in, q_positions, in_positions, p0,
@@ -674,6 +802,7 @@ def _attn_kernel(
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
     BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False, DYN_DEPTH: tl.constexpr = False, VBCAST: tl.constexpr = False,
+    BULK: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -681,7 +810,7 @@ def _attn_kernel(
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
-    z = tl.program_id(1)
+    z = tl.program_id(1) + (NSTORED if BULK else 0)  # BULK: one program per row, split NSTORED
     m = tl.program_id(2) * BM + tl.arange(0, BM)
     mmask = m < T * QPK
     t = (m // QPK).to(tl.int64)
@@ -712,7 +841,9 @@ def _attn_kernel(
         nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
         tile = (nfast * BNF) // BN
         t_hi = (P0 + BN - 1) // BN
-        if z < NSTORED:
+        if BULK:
+            pass  # splits 0..NSTORED-1 ran in _decode_bulk_kernel
+        elif z < NSTORED:
             m_i, l_i, acc_e, acc_o = _fast_decode_tiles(
                 qe, qo, (z * nfast) // NSTORED, ((z + 1) * nfast) // NSTORED, b, h, depth, scale,
                 k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -858,7 +989,7 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # within +-8% either way in the same sweep.
 FAST_DECODE = {
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4,
-    "dynamic_depth": True, "broadcast_v_params": False,
+    "dynamic_depth": True, "broadcast_v_params": False, "bulk_kernel": False, "maxnreg": None,
 }
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
@@ -969,7 +1100,7 @@ def launch_packed_attention(
     if mode is None:
         mode = "decode" if mrows <= 64 else "prefill"
     np_ = next_pow2(D // 2)
-    interp = _interpreting() or q.device.type != "cuda"
+    interp = _cpu_semantics(q)
     cd = _CDTYPE_CODE[q.dtype]
     dot_t = 0 if (interp or q.dtype == torch.float32) else cd  # the interpreter's bf16 dot is wrong: FP32 there
     p0 = stored_end(q_positions, inflight_positions, S)
@@ -999,6 +1130,9 @@ def launch_packed_attention(
         grid = (Bc * H, nspl, m_tiles)
         fused = False
         warps = tune["num_warps"] if fast else 8
+        bulk = fast and bool(tune["bulk_kernel"])
+        if bulk and (D & (D - 1) or G % 2):
+            raise ValueError(f"the decode bulk kernel needs a power-of-two head_dim and an even group, got {D}, {G}")
     elif mode == "prefill":
         ptune = {**PACKED_PREFILL, **(tuning or {})}
         bm = ptune["block_m"]
@@ -1010,10 +1144,24 @@ def launch_packed_attention(
         part_ml = part_acc = out  # unused
         grid = (Bc * H, 1, m_tiles)
         fused = True
+        bulk = False
         warps = ptune["num_warps"]
         whole = bool(ptune["whole_rows"])
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
+    regs = {"maxnreg": tune["maxnreg"]} if fast and tune["maxnreg"] and not interp else {}
+    if bulk:
+        wrap(_decode_bulk_kernel)[(Bc * H, ns)](
+            q, q_positions, p0, flushed,
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+            rows, res_layout, part_ml, part_acc,
+            q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), depth + DEPTH_BIAS, float(scale),
+            B, H, S, NB, CAPT, R,
+            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), CD=cd, STAGES=stages, num_warps=warps, **regs,
+        )
+        grid = (Bc * H, 1, m_tiles)  # _attn_kernel takes split NSTORED only: the tail and in-flight keys
+        warps = 8  # its generic tile code spills at 4 (scripts/kernel_report.py)
     wrap(_attn_kernel)[grid](
         q, k_inflight, v_inflight, q_positions, inflight_positions, p0,
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -1027,7 +1175,7 @@ def launch_packed_attention(
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, BNI=bni,
         WHOLE=whole, DYN_DEPTH=bool(tune["dynamic_depth"]),
         VBCAST=bool(tune["broadcast_v_params"]) and np_ == D // 2 and (D // G) & (D // G - 1) == 0,
-        num_warps=warps,
+        BULK=bulk, num_warps=warps, **regs,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](

@@ -1,0 +1,190 @@
+"""Static report of the packed-KV Triton kernels as compiled for the H200 (sm_90), on a machine
+without a GPU: registers, spills, shared memory and the SASS instruction mix of each launch.
+
+Triton compiles ahead of time for any target (ptxas, cuobjdump and nvdisasm ship with the Triton
+wheel), so the kernels the GPU runs can be inspected where no GPU is. This is what a device minute
+cannot be spent on: a variant that spills, or whose loads did not vectorize (LDG.E.U8 instead of
+LDG.E.128), or that reduces across warps through shared memory every key tile (BAR.SYNC), shows
+here before it is timed.
+
+    python scripts/kernel_report.py                       # fast decode, generic decode, prefill, write
+    python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
+    python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS
+
+The launchers run on CPU tensors at real shapes (ouro-1.4b: 16 kv heads x 128, bf16) with a fake
+Triton driver that reports an sm_90 target, and every launch is compiled (JITFunction.warmup)
+instead of run. The constexprs are the GPU's (the CPU-only choices the launchers make for the
+interpreter are switched off). Register counts are ptxas's; a kernel needs at most 65536 /
+(32 * num_warps) registers per thread to fit one program per SM and half that for two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _AheadOfTimeDriver:
+    """Enough of Triton's driver interface for JITFunction.warmup to compile for TARGET."""
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def _compiling_wrap(sink: list):
+    """A launcher ``wrap``: records each launch and compiles it for TARGET instead of running it."""
+
+    def wrap(kernel):
+        class _Grid:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+                    sink.append((kernel.fn.__name__, grid, kwargs, compiled))
+
+                return launch
+
+        return _Grid()
+
+    return wrap
+
+
+def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([BIN / "cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([BIN / "nvdisasm", "-c", "-hex", path], capture_output=True, text=True).stdout
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{name}.sass").write_text(sass)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    loads = {k: v for k, v in ops.items() if k.startswith(("LDG", "LDS", "LDL", "LDSM"))}
+    stores = {k: v for k, v in ops.items() if k.startswith(("STG", "STS", "STL"))}
+    return {
+        "regs": int(regs.group(1)) if regs else None,
+        "stack_bytes": int(stack.group(1)) if stack else None,
+        "spill_ops": sum(v for k, v in ops.items() if k.startswith(("LDL", "STL"))),
+        "instructions": sum(ops.values()),
+        "bar_sync": sum(v for k, v in ops.items() if k.startswith("BAR")),
+        "shfl": sum(v for k, v in ops.items() if k.startswith("SHFL")),
+        "mma": sum(v for k, v in ops.items() if k.startswith(("HMMA", "HGMMA", "WGMMA"))),
+        "loads": dict(sorted(loads.items())),
+        "stores": dict(sorted(stores.items())),
+    }
+
+
+def _decode_setup(B: int, S: int, T: int = 1):
+    from flashloop_compile.runtime import PackedKVCache
+
+    H, D, R = 16, 128, 4
+    cache = PackedKVCache(1, R, B, S, H, D, dtype=torch.bfloat16, device="cpu")
+    q = torch.empty(B, H, T, D, dtype=torch.bfloat16)
+    kv = torch.empty(B, H, T, D, dtype=torch.bfloat16)
+    pos = torch.full((B, T), S - T, dtype=torch.int64) + torch.arange(T)
+    out = torch.empty(B, H, T, D, dtype=torch.bfloat16)
+    return cache.op_tensors(0), q, kv, pos, out
+
+
+def launches(only: str | None, tuning: dict) -> list[tuple[str, dict]]:
+    from flashloop_compile.lowering.kernels import packed_kv as K
+
+    sink: list = []
+    wrap = _compiling_wrap(sink)
+    labels = []
+
+    def run(label, fn):
+        n = len(sink)
+        fn()
+        labels.extend(f"{label} [{sink[i][0]}]" for i in range(n, len(sink)))
+
+    K._cpu_semantics = lambda t: False  # the GPU's constexprs (bf16 dots, the GPU's tiles)
+    if only in (None, "decode"):
+        t, q, kv, pos, out = _decode_setup(4, 32768)
+        run("decode fast B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 1, 0.088, out, wrap=wrap, tuning=tuning))
+        run("decode generic B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 1, 0.088, out, wrap=wrap, fast=False))
+    if only in (None, "prefill"):
+        t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
+        pos = torch.arange(8192)[None]
+        run("prefill 8K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 0, 0.088, out, wrap=wrap, tuning=tuning))
+    if only in (None, "write"):
+        t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
+        pos = torch.arange(8192)[None]
+        run("write 8K depth 1", lambda: K.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
+    return [(label, grid, kwargs, compiled) for label, (_, grid, kwargs, compiled) in zip(labels, sink)]
+
+
+def resident_warps(regs: int | None, warps: int, shared: int) -> int | None:
+    """Warps of this kernel one H100/H200 SM holds at once (64K registers allocated per warp in
+    units of 256, at most 64 warps and 32 programs, 227 KB of shared memory per SM)."""
+    if regs is None:
+        return None
+    per_warp = -(-regs * 32 // 256) * 256
+    programs = min(65536 // (per_warp * warps), 64 // warps, 32, (227 * 1024) // max(shared, 1))
+    return programs * warps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["decode", "prefill", "write"])
+    ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
+    ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")
+    ap.add_argument("--json", action="store_true", help="one JSON line per kernel instead of the table")
+    args = ap.parse_args()
+    driver.set_active(_AheadOfTimeDriver())
+    rows = []
+    for label, grid, kwargs, compiled in launches(args.only, json.loads(args.tuning)):
+        name = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
+        stats = _sass_stats(compiled.asm["cubin"], args.dump, name)
+        warps = compiled.metadata.num_warps
+        rows.append({"kernel": label, "grid": list(grid), "num_warps": warps, "shared": compiled.metadata.shared,
+                     **stats, "warps_per_sm": resident_warps(stats["regs"], warps, compiled.metadata.shared)})
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"{'kernel':44s} {'warps':>5s} {'regs':>5s} {'w/SM':>5s} {'spill':>5s} {'smem':>7s} {'instr':>6s} {'bar':>4s} {'shfl':>5s} {'mma':>4s}  loads")
+    for r in rows:
+        loads = " ".join(f"{k}x{v}" for k, v in r["loads"].items())
+        print(f"{r['kernel']:44s} {r['num_warps']:5d} {r['regs']!s:>5s} {r['warps_per_sm']!s:>5s} {r['spill_ops']:5d} {r['shared']:7d} "
+              f"{r['instructions']:6d} {r['bar_sync']:4d} {r['shfl']:5d} {r['mma']:4d}  {loads}")
+
+
+if __name__ == "__main__":
+    main()
