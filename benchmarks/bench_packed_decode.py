@@ -143,15 +143,18 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then fast-path launch pa
     *[(f"fast defaults{' dyn-depth' if dd else ''}{' bcast-v' if bv else ''}",
        {"tuning": {"dynamic_depth": dd, "broadcast_v_params": bv}})
       for dd in (False, True) for bv in (False, True)],
-    # the separate bulk kernel (FAST_DECODE "bulk_kernel"; scripts/kernel_report.py: no spills,
-    # vectorized parameter loads), its tile, warps and split waves
-    *[(f"fast bulk bn{bn} w{w} x{wv}", {"tuning": {"bulk_kernel": True, "block_n": bn, "num_warps": w, "waves": wv}})
-      for bn in (16, 32, 64) for w in (4, 8) for wv in (4, 8)],
+    # the separate bulk kernel (FAST_DECODE "bulk_kernel"), at the points scripts/kernel_report.py
+    # picks: no spills, 8-16 resident warps per SM, cp.async pipelining with stages 2 (rNNN: maxnreg)
+    *[(f"fast bulk bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
+       {"tuning": {"bulk_kernel": True, "block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv}})
+      for bn, w, st, mr, wv in ((16, 4, 1, None, 4), (16, 4, 2, None, 4), (16, 4, 2, 128, 4), (16, 4, 2, 128, 8), (16, 4, 3, 128, 4),
+                                (16, 8, 2, None, 4), (32, 4, 2, None, 4), (32, 8, 1, None, 4))],
 ]
 
 
-def sweep(args, l2) -> list[dict]:
-    """Time every SWEEP variant (graph replay, L2 flushed) per (B, S, depth); checked first."""
+def sweep(args, l2, save=lambda rows: None) -> list[dict]:
+    """Time every SWEEP variant (graph replay, L2 flushed) per (B, S, depth); checked first.
+    ``save(rows)`` after each (B, S): a run cut short by a timeout keeps what it measured."""
     rows = []
     for S in args.seq:
         for B in args.batch:
@@ -164,7 +167,7 @@ def sweep(args, l2) -> list[dict]:
                 kd, vd, pd = step[depth]
                 ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
                 nbytes = packed_bytes(cache, B, S - 1, depth)
-                for name, kw in [(n, kw) for n, kw in SWEEP if args.variants in n]:
+                for name, kw in [(n, kw) for n, kw in SWEEP if any(v in n for v in args.variants.split("|"))]:
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth):
                         out = torch.empty_like(q)
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
@@ -181,6 +184,7 @@ def sweep(args, l2) -> list[dict]:
                     print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
             del cache
             torch.cuda.empty_cache()
+            save(rows)
     return rows
 
 
@@ -193,7 +197,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
     ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
-    ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text")
+    ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text (alternatives separated by |)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_packed_decode needs a CUDA device")
@@ -203,9 +207,11 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     l2 = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     if args.sweep:
-        rows = sweep(args, l2)
-        with open(os.path.join(out_dir, "packed_sweep.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        def save(rows):
+            with open(os.path.join(out_dir, "packed_sweep.json"), "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+        rows = sweep(args, l2, save)
         best = {}
         for r in rows:
             key = (r["batch"], r["seq"], r["depth"])

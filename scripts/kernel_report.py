@@ -7,7 +7,7 @@ cannot be spent on: a variant that spills, or whose loads did not vectorize (LDG
 LDG.E.128), or that reduces across warps through shared memory every key tile (BAR.SYNC), shows
 here before it is timed.
 
-    python scripts/kernel_report.py                       # fast decode, generic decode, prefill, write
+    python scripts/kernel_report.py                       # packed decode (fast, generic), prefill, sparse decode, write
     python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
     python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS
 
@@ -70,7 +70,12 @@ def _compiling_wrap(sink: list):
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
                     compiled = kernel.warmup(*args, grid=grid, **kwargs)
-                    sink.append((kernel.fn.__name__, grid, kwargs, compiled))
+                    if isinstance(compiled, list):  # an Autotuner (launch options pinned by one config)
+                        compiled = compiled[0]
+                    fn = kernel.fn
+                    while hasattr(fn, "fn"):
+                        fn = fn.fn
+                    sink.append((fn.__name__, grid, kwargs, compiled))
 
                 return launch
 
@@ -122,7 +127,7 @@ def _decode_setup(B: int, S: int, T: int = 1):
     return cache.op_tensors(0), q, kv, pos, out
 
 
-def launches(only: str | None, tuning: dict) -> list[tuple[str, dict]]:
+def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple[str, dict]]:
     from flashloop_compile.lowering.kernels import packed_kv as K
 
     sink: list = []
@@ -137,12 +142,28 @@ def launches(only: str | None, tuning: dict) -> list[tuple[str, dict]]:
     K._cpu_semantics = lambda t: False  # the GPU's constexprs (bf16 dots, the GPU's tiles)
     if only in (None, "decode"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
-        run("decode fast B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 1, 0.088, out, wrap=wrap, tuning=tuning))
-        run("decode generic B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 1, 0.088, out, wrap=wrap, fast=False))
+        run("decode fast B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, tuning=tuning))
+        run("decode generic B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, fast=False))
     if only in (None, "prefill"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
         run("prefill 8K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 0, 0.088, out, wrap=wrap, tuning=tuning))
+    if only in (None, "sparse"):
+        from flashloop_compile.lowering.kernels import sparse_decode as SD
+
+        SD._cpu_semantics = lambda device: False
+        SD._check_runnable = lambda device: None
+        SD.sm_count = lambda device: 132
+        SD._Launcher.__call__ = lambda self, kernel, grid: wrap(kernel)[grid]
+        B, H, S, D = 4, 16, 32768, 128
+        q = torch.empty(B, H, 1, D, dtype=torch.bfloat16)
+        k = torch.empty(B, H, S, D, dtype=torch.bfloat16)
+        mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+        caps = [-(-S // 10)]
+        refs = []
+        run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
+        _, keys, count, mass, o_ref, c_ref = refs[0]
+        run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
@@ -162,14 +183,15 @@ def resident_warps(regs: int | None, warps: int, shared: int) -> int | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["decode", "prefill", "write"])
+    ap.add_argument("--only", choices=["decode", "prefill", "sparse", "write"])
     ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
+    ap.add_argument("--depth", type=int, default=1, help="the decode launches' loop depth (0..R-1; a constexpr of the bulk kernel)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel instead of the table")
     args = ap.parse_args()
     driver.set_active(_AheadOfTimeDriver())
     rows = []
-    for label, grid, kwargs, compiled in launches(args.only, json.loads(args.tuning)):
+    for label, grid, kwargs, compiled in launches(args.only, json.loads(args.tuning), args.depth):
         name = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
         stats = _sass_stats(compiled.asm["cubin"], args.dump, name)
         warps = compiled.metadata.num_warps
@@ -179,10 +201,10 @@ def main() -> None:
         for r in rows:
             print(json.dumps(r))
         return
-    print(f"{'kernel':44s} {'warps':>5s} {'regs':>5s} {'w/SM':>5s} {'spill':>5s} {'smem':>7s} {'instr':>6s} {'bar':>4s} {'shfl':>5s} {'mma':>4s}  loads")
+    print(f"{'kernel':52s} {'warps':>5s} {'regs':>5s} {'w/SM':>5s} {'spill':>5s} {'smem':>7s} {'instr':>6s} {'bar':>4s} {'shfl':>5s} {'mma':>4s}  loads")
     for r in rows:
         loads = " ".join(f"{k}x{v}" for k, v in r["loads"].items())
-        print(f"{r['kernel']:44s} {r['num_warps']:5d} {r['regs']!s:>5s} {r['warps_per_sm']!s:>5s} {r['spill_ops']:5d} {r['shared']:7d} "
+        print(f"{r['kernel']:52s} {r['num_warps']:5d} {r['regs']!s:>5s} {r['warps_per_sm']!s:>5s} {r['spill_ops']:5d} {r['shared']:7d} "
               f"{r['instructions']:6d} {r['bar_sync']:4d} {r['shfl']:5d} {r['mma']:4d}  {loads}")
 
 

@@ -170,7 +170,15 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(x, y)
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("fast_decode", [{}, {"bulk_kernel": True, "block_n": 16, "num_stages": 2, "maxnreg": 128}],
+                         ids=["defaults", "bulk_kernel_maxnreg"])
+def test_torch_compile_fullgraph(fast_decode, monkeypatch):
+    # the bulk kernel with maxnreg launches through a one-config autotuner under wrap_triton
+    from flashloop_compile.lowering.kernels import packed_kv as K
+
+    for key, value in fast_decode.items():
+        monkeypatch.setitem(K.FAST_DECODE, key, value)
+    torch._dynamo.reset()
     B, S = 2, 4096
     g = torch.Generator().manual_seed(3)
     ce = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")

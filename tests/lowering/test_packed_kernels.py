@@ -174,8 +174,17 @@ def test_overflow_matches_aten():
 def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
     # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
     # 1-2 on a nested subset (absent rows inherit), one decode token at each depth
+    _fast_decode_case(tuning, group=64)
+
+
+def test_decode_bulk_kernel_with_four_v_groups_per_row():
+    # group 32 at head_dim 128: the bulk kernel's general (reshape) broadcast of V parameters
+    _fast_decode_case({"bulk_kernel": True, "block_n": 16}, group=32)
+
+
+def _fast_decode_case(tuning, group):
     d_, s_ = 128, 192
-    cache = PackedKVCache(1, 3, 1, s_, 1, d_, dtype=torch.float32)
+    cache = PackedKVCache(1, 3, 1, s_, 1, d_, group_size=group, tail=group, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
     n = 160
     k, v = torch.randn(1, 1, n, d_, generator=g), torch.randn(1, 1, n, d_, generator=g)

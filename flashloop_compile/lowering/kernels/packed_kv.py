@@ -664,34 +664,45 @@ def _fast_decode_tiles(
 @triton.jit
 def _pair_params(ptr, off, HD: tl.constexpr):
     """FP32 (even, odd) channel parameters [1, HD] of the D = 2 * HD contiguous fp16 values at
-    ptr + off: one contiguous (vectorized) load, split into the packed layout's halves."""
-    x = tl.load(ptr + off + tl.arange(0, 2 * HD)).to(tl.float32)
-    e, o = tl.split(tl.reshape(x, [HD, 2]))
+    ptr + off (off even): each (even, odd) pair read as one 32-bit word and split in registers
+    (a reshape + split of a [D] load costs a shared-memory shuffle per tile)."""
+    w = tl.load((ptr + off).to(tl.pointer_type(tl.uint32), bitcast=True) + tl.arange(0, HD))
+    e = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    o = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return e[None, :], o[None, :]
 
 
 @triton.jit
 def _row_group_params(v_min, v_scale, r, rmask, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, HD: tl.constexpr):
     """FP32 V (minimum, scale) [BN, HD] of rows r [BN]: one load of a row's NG groups (contiguous),
-    broadcast over each group's G / 2 channel pairs."""
+    broadcast over each group's G / 2 channel pairs. One or two groups per row (head_dim 64 or
+    128 at G = 64) select in registers; more go through a reshape (a shared-memory shuffle)."""
     gi = tl.arange(0, NG)
     vp = r[:, None] * NG + gi[None, :]
     mn = tl.load(v_min + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
     sc = tl.load(v_scale + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
-    mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, HD])
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, HD])
-    return mn, sc
+    if NG == 1:
+        return tl.broadcast_to(mn, [BN, HD]), tl.broadcast_to(sc, [BN, HD])
+    elif NG == 2:
+        first = (tl.arange(0, HD) < G // 2)[None, :]
+        mn0, mn1 = tl.split(mn)
+        sc0, sc1 = tl.split(sc)
+        return tl.where(first, mn0[:, None], mn1[:, None]), tl.where(first, sc0[:, None], sc1[:, None])
+    else:
+        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, HD])
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, HD])
+        return mn, sc
 
 
-@triton.jit(do_not_specialize=["depth_arg"])
+@triton.jit
 def _decode_bulk_kernel(
     q, q_positions, p0, flushed,
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     rows, res_layout, part_ml, part_acc,
-    sq_b, sq_h, sq_d, sqp_b, depth_arg, scale, B, H, S, NB, CAPT, R,
+    sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
-    CD: tl.constexpr, STAGES: tl.constexpr,
+    CD: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr,
 ):
     """The packed bulk of one-query-row decode (FAST_DECODE "bulk_kernel"): split z < NSTORED of
     the key tiles below every depth's flushed boundary, as _fast_decode_tiles defines them, in a
@@ -699,8 +710,9 @@ def _decode_bulk_kernel(
     takes split NSTORED). Per tile, K first (base + residuals 1..depth where present, scores,
     online-softmax update), then V: two of the four [BN, D/2] tiles live at a time; parameters
     are loaded contiguously (K: a block's D channels; V: a row's groups). Same arithmetic, in the
-    same order, as the fused path; partials in its layout for _combine_kernel."""
-    depth = depth_arg - _DEPTH_BIAS
+    same order, as the fused path; partials in its layout for _combine_kernel. The depth is a
+    constexpr (one compiled variant per loop of the model): the residual loops unroll without
+    masks and the tile loop's loads can be software-pipelined."""
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     NSPL: tl.constexpr = NSTORED + 1
@@ -712,7 +724,7 @@ def _decode_bulk_kernel(
     qpos = tl.load(q_positions + b * sqp_b + tl.arange(0, 1))
     P0 = tl.load(p0 + b)
     e_ = tl.arange(0, RP)
-    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= depth, other=2147483647), 0)
+    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= DEPTH, other=2147483647), 0)
     nfast = tl.minimum(fl_min, P0) // BN
     nfast = tl.where(tl.max((qpos >= 0).to(tl.int32), 0) > 0, nfast, 0)
     lo = (z * nfast) // NSTORED
@@ -744,8 +756,7 @@ def _decode_bulk_kernel(
         sc_e, sc_o = _pair_params(kb_scale, blk * D, HD)
         ke = mn_e + sc_e * (c & 15).to(tl.float32)
         ko = mn_o + sc_o * (c >> 4).to(tl.float32)
-        j = 1
-        while j <= depth:
+        for j in tl.static_range(1, DEPTH + 1):
             rj = tl.load(rows + ((j - 1) * B + b) * S + p)
             has = rj >= 0
             g = tl.load(res_layout + j) + tl.where(has, rj, 0)
@@ -755,7 +766,6 @@ def _decode_bulk_kernel(
             sc_e, sc_o = _pair_params(k_res_scale, pk, HD)
             ke = tl.where(has[:, None], ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
             ko = tl.where(has[:, None], ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
-            j += 1
         s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
         m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
         alpha = tl.exp(m_i - m_new)
@@ -766,8 +776,7 @@ def _decode_bulk_kernel(
         vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BN, NG, G, HD)
         ve = vmn + vsc * (c & 15).to(tl.float32)
         vo = vmn + vsc * (c >> 4).to(tl.float32)
-        j = 1
-        while j <= depth:
+        for j in tl.static_range(1, DEPTH + 1):
             rj = tl.load(rows + ((j - 1) * B + b) * S + p)
             has = rj >= 0
             g = tl.load(res_layout + j) + tl.where(has, rj, 0)
@@ -775,7 +784,6 @@ def _decode_bulk_kernel(
             vmn, vsc = _row_group_params(vr_min, vr_scale, g, has, BN, NG, G, HD)
             ve = tl.where(has[:, None], ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
             vo = tl.where(has[:, None], vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
-            j += 1
         acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
         acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
     prow = bh * NSPL + z
@@ -989,7 +997,7 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # within +-8% either way in the same sweep.
 FAST_DECODE = {
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4,
-    "dynamic_depth": True, "broadcast_v_params": False, "bulk_kernel": False, "maxnreg": None,
+    "dynamic_depth": True, "broadcast_v_params": False, "bulk_kernel": False, "maxnreg": None,  # maxnreg: the bulk kernel's
 }
 FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
 
@@ -1008,6 +1016,20 @@ PACKED_WRITE.update(json.loads(os.environ.get("FLASHLOOP_PACKED_WRITE", "{}")))
 # 4.18/15.09 ms; causal SDPA 0.18/0.55 ms). FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
 PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 64, "num_warps": 4, "whole_rows": True}
 PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
+
+
+_PINNED: dict = {}
+
+
+def _pinned_config(kernel, num_warps: int, num_stages: int, maxnreg: int):
+    """``kernel`` under a one-config ``triton.autotune`` (nothing to tune, so nothing is timed):
+    the way to give it launch options such as ``maxnreg`` that ``wrap_triton`` (torch.compile)
+    does not forward as launch keywords."""
+    key = (kernel, num_warps, num_stages, maxnreg)
+    if key not in _PINNED:
+        config = triton.Config({}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        _PINNED[key] = triton.autotune(configs=[config], key=[])(kernel)
+    return _PINNED[key]
 
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
@@ -1149,16 +1171,18 @@ def launch_packed_attention(
         whole = bool(ptune["whole_rows"])
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
-    regs = {"maxnreg": tune["maxnreg"]} if fast and tune["maxnreg"] and not interp else {}
     if bulk:
-        wrap(_decode_bulk_kernel)[(Bc * H, ns)](
+        bulk_kernel, opts = _decode_bulk_kernel, {"num_warps": warps}
+        if tune["maxnreg"] and not interp:  # a launch option wrap_triton does not pass: a one-config autotuner
+            bulk_kernel, opts = _pinned_config(_decode_bulk_kernel, warps, stages, tune["maxnreg"]), {}
+        wrap(bulk_kernel)[(Bc * H, ns)](
             q, q_positions, p0, flushed,
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
             rows, res_layout, part_ml, part_acc,
-            q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), depth + DEPTH_BIAS, float(scale),
+            q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), CD=cd, STAGES=stages, num_warps=warps, **regs,
+            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), CD=cd, STAGES=stages, DEPTH=depth, **opts,
         )
         grid = (Bc * H, 1, m_tiles)  # _attn_kernel takes split NSTORED only: the tail and in-flight keys
         warps = 8  # its generic tile code spills at 4 (scripts/kernel_report.py)
@@ -1175,7 +1199,7 @@ def launch_packed_attention(
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, BNI=bni,
         WHOLE=whole, DYN_DEPTH=bool(tune["dynamic_depth"]),
         VBCAST=bool(tune["broadcast_v_params"]) and np_ == D // 2 and (D // G) & (D // G - 1) == 0,
-        BULK=bulk, num_warps=warps, **regs,
+        BULK=bulk, num_warps=warps,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](

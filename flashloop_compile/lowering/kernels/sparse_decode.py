@@ -490,10 +490,16 @@ class _Launcher:
         return kernel[grid]
 
 
+def _cpu_semantics(device: torch.device) -> bool:
+    """Launch choices for the interpreter (FP32 dots, its own tile config) on CPU tensors;
+    scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
+    return device.type != "cuda"
+
+
 def _config_for(device: torch.device, config: KernelConfig | None) -> KernelConfig:
     if config is not None:
         return config
-    return DEFAULT_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG
+    return INTERPRETER_CONFIG if _cpu_semantics(device) else DEFAULT_CONFIG
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -527,7 +533,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     rows = b * hq * t
     m_group = g * t
     n_sm = sm_count(dev)
-    upcast = dev.type != "cuda"  # the interpreter cannot run bf16 dots
+    upcast = _cpu_semantics(dev)  # the interpreter cannot run bf16 dots
     precision = _dot_precision(q.dtype)
 
     mask_full = mask.expand(b, hq, t, s)  # broadcast dims get stride 0; the kernel reads the strides
