@@ -34,3 +34,19 @@ def test_decode_bulk_kernel_fits_sixteen_warps_per_sm_without_spills():
     assert bulk["grid"][1] >= 2  # split-K over the 32K context
     tail = rows[1]
     assert tail["grid"] == [64, 1, 1] and tail["num_warps"] == 8 and tail["spill_ops"] == 0, tail
+
+
+@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
+def test_maxnreg_reaches_the_bulk_kernel_through_its_pinned_config():
+    # maxnreg is not a launch keyword wrap_triton forwards: the launcher pins it with a one-config
+    # autotuner. At depth 3 with two pipeline stages the kernel would take 161 registers.
+    run = subprocess.run(
+        [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json", "--depth", "3",
+         "--tuning", json.dumps({"bulk_kernel": True, "block_n": 16, "num_stages": 2, "maxnreg": 128})],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    bulk = json.loads(run.stdout.splitlines()[0])
+    assert bulk["kernel"].endswith("[_decode_bulk_kernel]")
+    assert bulk["regs"] <= 128 and bulk["spill_ops"] == 0 and bulk["warps_per_sm"] == 16, bulk
+    assert bulk["loads"].get("LDGSTS.E.64", 0) > 0  # the base codes arrive by cp.async (pipelined)
