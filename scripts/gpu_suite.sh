@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_suite.sh              # everything, in priority order, 540 s
 #   SUITE=decode SHAPES=4x32768 bash scripts/gpu_suite.sh
-#   SUITE=diag,ops,prefill PREFILL_SHAPES=1x8192,1x4096 bash scripts/gpu_suite.sh   # stages: diag tests sweep ops decode prefill
+#   SUITE=diag,ops,prefill PREFILL_SHAPES=1x8192,1x4096 bash scripts/gpu_suite.sh   # stages: diag tests sweep ops decode prefill generate
+#   FLASHLOOP_FAST_DECODE='{...}' SUITE=generate bash scripts/gpu_suite.sh                # issue 7's run, with a tuning
 #
 # The interpreter must be off for compiled kernels: tests/conftest.py only turns it on without CUDA.
 set -uo pipefail
@@ -63,5 +64,11 @@ if [[ $SUITE == *prefill* ]] && (( $(left) > 150 )); then
   timeout $(( $(left) - 10 )) python3 benchmarks/bench_prefill.py --shapes "${PREFILL_SHAPES:-1x8192,1x32768,1x4096,4x4096}" \
     --deadline $(( $(left) - 15 )) 2>&1 | tail -60 > "$OUT/prefill.log"  # the bench itself needs 150 s per shape
   tail -5 "$OUT/prefill.log"
+fi
+if [[ $SUITE == *generate* ]] && (( $(left) > 200 )); then
+  # end-to-end generation (issue 7); FLASHLOOP_FAST_DECODE from the sweep stage, if it ran, applies
+  timeout $(( $(left) - 10 )) python3 benchmarks/bench_generate.py --deadline $(( $(left) - 40 )) ${GENERATE_ARGS:-} \
+    > "$OUT/generate.log" 2>&1
+  grep -v '^{' "$OUT/generate.log" | tail -25
 fi
 echo "suite done in $(( $(date +%s) - start )) s"
