@@ -164,6 +164,12 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple[str, 
         run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
         _, keys, count, mass, o_ref, c_ref = refs[0]
         run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
+    if only in (None, "read"):
+        t, q, kv, pos, out = _decode_setup(4, 32768)
+        grid_pos = torch.arange(32768)[None].expand(4, -1)
+        full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
+        run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
+        run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
@@ -183,7 +189,7 @@ def resident_warps(regs: int | None, warps: int, shared: int) -> int | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["decode", "prefill", "sparse", "write"])
+    ap.add_argument("--only", choices=["decode", "prefill", "sparse", "read", "write"])
     ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
     ap.add_argument("--depth", type=int, default=1, help="the decode launches' loop depth (0..R-1; a constexpr of the bulk kernel)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")

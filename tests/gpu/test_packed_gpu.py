@@ -101,10 +101,16 @@ def test_write_and_attention_match_aten(B, S, lengths):
     pos = torch.arange(max(starts), device="cuda")[None].repeat(B, 1)
     for b, n in enumerate(starts):
         pos[b, n:] = -1
+    from flashloop_compile.lowering.kernels import packed_kv as K
+
     for d in range(R):
         ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d)
         kk, vk = P.packed_read(ck, 0, pos, d)
         assert torch.equal(ka, kk) and torch.equal(va, vk)
+        # the opt-in bulk read (PACKED_READ["bulk"]) writes the same values
+        bk, bv = torch.empty_like(kk), torch.empty_like(vk)
+        K.launch_packed_read(ck.op_tensors(0), pos, d, bk, bv, bulk=True)
+        assert torch.equal(ka, bk) and torch.equal(va, bv), f"bulk read, depth {d}"
 
 
 def test_prefill_chunk_attention_matches_aten():

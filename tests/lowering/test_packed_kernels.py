@@ -18,11 +18,11 @@ def write_kernel(cache, layer, k, v, pos, depth, chunks=None):
     K.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth, chunks=chunks)
 
 
-def read_kernel(cache, layer, pos, depth):
+def read_kernel(cache, layer, pos, depth, **kw):
     shape = (pos.shape[0], cache.kv_heads, pos.shape[-1], cache.head_dim)
     out_k = torch.empty(shape, dtype=cache.dtype)
     out_v = torch.empty(shape, dtype=cache.dtype)
-    K.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v)
+    K.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v, **kw)
     return out_k, out_v
 
 
@@ -92,12 +92,21 @@ def test_write_read_attention_match_aten(dtype):
                 ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d)
                 kk, vk = read_kernel(ck, 0, pos, d)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d)
+                # the bulk read (runs of consecutive positions below the flushed boundaries; the
+                # ragged rows' padding, the ring and a shifted run go to the generic kernel)
+                for shift in (0, 5):
+                    run = torch.where(pos >= 0, pos + shift, pos)
+                    ka, va = P.packed_read_aten(*ca.op_tensors(0), run, d)
+                    kk, vk = read_kernel(ck, 0, run, d, bulk=True, block_p=16)
+                    assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "bulk", shift)
                 # per-head positions (sparse decode's selected keys): out of order, repeated,
                 # unwritten and -1 entries; each head equals the shared read of its positions
                 sel = torch.randint(-1, max(lengths) + 3, (pos.shape[0], H, 37), generator=g)
                 ka, va = P.packed_read_aten(*ca.op_tensors(0), sel, d)
                 kk, vk = read_kernel(ck, 0, sel, d)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head")
+                kk, vk = read_kernel(ck, 0, sel, d, bulk=True, block_p=16)
+                assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head, bulk")
                 for h in range(H):
                     ks, vs = P.packed_read_aten(*ca.op_tensors(0), sel[:, h].contiguous(), d)
                     assert torch.equal(ka[:, h], ks[:, h]) and torch.equal(va[:, h], vs[:, h]), (f, d, h)

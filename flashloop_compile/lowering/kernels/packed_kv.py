@@ -436,6 +436,7 @@ def _read_kernel(
     positions, out_k, out_v,
     sp_b, sp_h, sp_t, P, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+    SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4,
 ):
     depth = depth_arg - _DEPTH_BIAS
     b = tl.program_id(0).to(tl.int64)
@@ -443,6 +444,9 @@ def _read_kernel(
     t = tl.program_id(2) * BP + tl.arange(0, BP)
     tm = t < P
     p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
+    if SKIP_BULK:  # _read_bulk_kernel wrote the tiles it qualifies for
+        if _bulk_read_tile(p, tm, flushed + b * R, depth, BP, RP):
+            return
     pm = tm & (p >= 0) & (p < S)
     ke, ko, ve, vo, _ok = _reconstruct(
         p, pm, b, h, depth,
@@ -459,6 +463,85 @@ def _read_kernel(
     tl.store(out_k + o + 1, _round_to(ko, CD).to(ty), mask=m2)
     tl.store(out_v + o, _round_to(ve, CD).to(ty), mask=m2)
     tl.store(out_v + o + 1, _round_to(vo, CD).to(ty), mask=m2)
+
+
+@triton.jit
+def _bulk_read_tile(p, tm, flushed_b, depth, BP: tl.constexpr, RP: tl.constexpr):
+    """Whether a read tile (positions p [BP], tm: inside P) is a run of BP consecutive positions
+    below every depth's flushed boundary (0..depth): there every position holds its base and
+    residual j is present exactly where rows_j >= 0, so no per-token state is needed."""
+    e_ = tl.arange(0, RP)
+    fl_min = tl.min(tl.load(flushed_b + e_, mask=e_ <= depth, other=2147483647), 0)
+    p0 = tl.min(tl.where(tm, p, 2147483647), 0)
+    off = tl.sum(tl.where(tm, p != p0 + tl.arange(0, BP), True).to(tl.int32), 0)
+    return (off == 0) & (p0 >= 0) & (p0 + BP <= fl_min)
+
+
+@triton.jit
+def _pair_words(ptr, word_off, HD: tl.constexpr):
+    """FP32 (even, odd) channel parameters of fp16 pairs read as 32-bit words at word offsets
+    ``word_off`` (broadcast against the HD pairs) from ptr (fp16, 4-byte aligned)."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + word_off)
+    e = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    o = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return e, o
+
+
+@triton.jit
+def _read_bulk_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    flushed, rows, res_layout, positions, out_k, out_v,
+    sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
+):
+    """packed_read of the tiles _bulk_read_tile admits (a prefix read such as sparse decode's
+    loop-2 reference of the whole history is almost all such tiles); _read_kernel with SKIP_BULK
+    takes the others. No per-token resolution, the depth a constexpr (unrolled residuals), K
+    parameters as 32-bit pair words, V group parameters selected in registers, and rows stored
+    whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
+    _reconstruct: the two kernels write identical values."""
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2) * BP + tl.arange(0, BP)
+    tm = t < P
+    p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
+    if _bulk_read_tile(p, tm, flushed + b * R, DEPTH, BP, RP):
+        bh = b * H + h
+        pc = p.to(tl.int32)
+        i = tl.arange(0, HD)
+        blk = pc // G
+        kw = (blk * HD)[:, None] + i[None, :]  # a block's K parameters, as pair words
+        c = tl.load(k_base + bh * S * HD + pc[:, None] * HD + i[None, :]).to(tl.int32)
+        mn_e, mn_o = _pair_words(k_base_min + bh * NB * D, kw, HD)
+        sc_e, sc_o = _pair_words(k_base_scale + bh * NB * D, kw, HD)
+        ke = mn_e + sc_e * (c & 15).to(tl.float32)
+        ko = mn_o + sc_o * (c >> 4).to(tl.float32)
+        c = tl.load(v_base + bh * S * HD + pc[:, None] * HD + i[None, :]).to(tl.int32)
+        vmn, vsc = _row_group_params(v_base_min + bh * S * NG, v_base_scale + bh * S * NG, pc, pc >= 0, BP, NG, G, HD)
+        ve = vmn + vsc * (c & 15).to(tl.float32)
+        vo = vmn + vsc * (c >> 4).to(tl.float32)
+        for j in tl.static_range(1, DEPTH + 1):
+            rj = tl.load(rows + ((j - 1) * B + b) * S + pc)
+            has = rj >= 0
+            h2 = has[:, None]
+            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
+            pk = (((j - 1) * B + b) * H + h) * NB * D
+            c = tl.load(k_res + bh * CAPT * HD + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+            mn_e, mn_o = _pair_words(k_res_min + pk, kw, HD)
+            sc_e, sc_o = _pair_words(k_res_scale + pk, kw, HD)
+            ke = tl.where(h2, ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
+            ko = tl.where(h2, ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
+            c = tl.load(v_res + bh * CAPT * HD + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
+            vmn, vsc = _row_group_params(v_res_min + bh * CAPT * NG, v_res_scale + bh * CAPT * NG, g, has, BP, NG, G, HD)
+            ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+            vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+        ty = out_k.dtype.element_ty
+        o = ((bh * P + t) * D)[:, None] + tl.arange(0, D)[None, :]
+        tl.store(out_k + o, tl.reshape(tl.join(_round_to(ke, CD), _round_to(ko, CD)), [BP, D]).to(ty))
+        tl.store(out_v + o, tl.reshape(tl.join(_round_to(ve, CD), _round_to(vo, CD)), [BP, D]).to(ty))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -666,9 +749,7 @@ def _pair_params(ptr, off, HD: tl.constexpr):
     """FP32 (even, odd) channel parameters [1, HD] of the D = 2 * HD contiguous fp16 values at
     ptr + off (off even): each (even, odd) pair read as one 32-bit word and split in registers
     (a reshape + split of a [D] load costs a shared-memory shuffle per tile)."""
-    w = tl.load((ptr + off).to(tl.pointer_type(tl.uint32), bitcast=True) + tl.arange(0, HD))
-    e = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    o = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    e, o = _pair_words(ptr + off, tl.arange(0, HD), HD)
     return e[None, :], o[None, :]
 
 
@@ -1018,6 +1099,14 @@ PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 64, "num_warps": 4, "whole_
 PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
 
 
+# packed_read: "bulk" sends runs of consecutive positions below the flushed boundaries (the
+# loop-2 reference's read of the whole history under sparse decode + quantization) to a kernel
+# without per-token resolution (scripts/kernel_report.py --only read). Off until timed.
+# FLASHLOOP_PACKED_READ (JSON) overrides.
+PACKED_READ = {"bulk": False, "num_warps": 4}
+PACKED_READ.update(json.loads(os.environ.get("FLASHLOOP_PACKED_READ", "{}")))
+
+
 _PINNED: dict = {}
 
 
@@ -1075,9 +1164,12 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     )
 
 
-def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_wrap) -> None:
+def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_wrap, bulk: bool | None = None,
+                       block_p: int | None = None) -> None:
     """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
-    out_k/out_v [B, H, P, D] (contiguous)."""
+    out_k/out_v [B, H, P, D] (contiguous). ``bulk`` (default PACKED_READ["bulk"]): runs of
+    consecutive positions below the flushed boundaries go to _read_bulk_kernel, the rest to
+    _read_kernel. ``block_p``: positions per program (tests)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -1090,13 +1182,28 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_
     bp = 32 if np_ <= 64 else 16
     if _interpreting():
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
-    wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bp))](
+    bp = block_p or bp
+    tune = {**PACKED_READ, **({} if bulk is None else {"bulk": bulk})}
+    grid = (Bc, H, triton.cdiv(P, bp))
+    bulk = bool(tune["bulk"])
+    if bulk and (D & (D - 1) or G % 2 or np_ != D // 2):
+        raise ValueError(f"the bulk read needs a power-of-two head_dim and an even group, got {D}, {G}")
+    cd = _CDTYPE_CODE[out_k.dtype]
+    if bulk:
+        wrap(_read_bulk_kernel)[grid](
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+            flushed, rows, res_layout, positions, out_k, out_v,
+            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
+            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, num_warps=tune["num_warps"],
+        )
+    wrap(_read_kernel)[grid](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
         positions, out_k, out_v,
         sp_b, sp_h, sp_t, P, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[out_k.dtype], num_warps=4,
+        D=D, G=G, NP=np_, BP=bp, CD=cd, SKIP_BULK=bulk, RP=next_pow2(R), num_warps=4,
     )
 
 
