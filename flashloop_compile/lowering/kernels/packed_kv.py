@@ -488,6 +488,60 @@ def _pair_words(ptr, word_off, HD: tl.constexpr):
 
 
 @triton.jit
+def _bulk_residual_rows(rows, res_layout, j, b, B, S, p):
+    """Residual j of positions p in the flushed bulk: where present, and its global row (0 where not)."""
+    rj = tl.load(rows + ((j - 1) * B + b) * S + p)
+    has = rj >= 0
+    return has, tl.load(res_layout + j) + tl.where(has, rj, 0)
+
+
+@triton.jit
+def _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
+            B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr):
+    """FP32 K halves [BP, D/2] (not rounded) of positions p in the flushed bulk of row (b, h):
+    the base plus residuals 1..DEPTH where present. Pointers are the (b, h) bases of the codes
+    and of the base parameters; kw: the K parameters' pair-word offsets in a block table ([1, D/2]
+    for a tile in one block, [BP, D/2] per position)."""
+    HD: tl.constexpr = D // 2
+    i = tl.arange(0, HD)
+    c = tl.load(kb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
+    mn_e, mn_o = _pair_words(kb_min, kw, HD)
+    sc_e, sc_o = _pair_words(kb_scale, kw, HD)
+    ke = mn_e + sc_e * (c & 15).to(tl.float32)
+    ko = mn_o + sc_o * (c >> 4).to(tl.float32)
+    for j in tl.static_range(1, DEPTH + 1):
+        has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+        c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
+        pk = (((j - 1) * B + b) * H + h) * NB * D
+        mn_e, mn_o = _pair_words(k_res_min + pk, kw, HD)
+        sc_e, sc_o = _pair_words(k_res_scale + pk, kw, HD)
+        ke = tl.where(has[:, None], ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
+        ko = tl.where(has[:, None], ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
+    return ke, ko
+
+
+@triton.jit
+def _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
+            D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr):
+    """FP32 V halves [BP, D/2] (not rounded) of positions p in the flushed bulk of row (b, h),
+    as _bulk_k; the pointers are the (b, h) bases of codes and per-row parameters."""
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    i = tl.arange(0, HD)
+    c = tl.load(vb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
+    vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BP, NG, G, HD)
+    ve = vmn + vsc * (c & 15).to(tl.float32)
+    vo = vmn + vsc * (c >> 4).to(tl.float32)
+    for j in tl.static_range(1, DEPTH + 1):
+        has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+        c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
+        vmn, vsc = _row_group_params(vr_min, vr_scale, g, has, BP, NG, G, HD)
+        ve = tl.where(has[:, None], ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+        vo = tl.where(has[:, None], vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+    return ve, vo
+
+
+@triton.jit
 def _read_bulk_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
@@ -511,33 +565,13 @@ def _read_bulk_kernel(
     if _bulk_read_tile(p, tm, flushed + b * R, DEPTH, BP, RP):
         bh = b * H + h
         pc = p.to(tl.int32)
-        i = tl.arange(0, HD)
-        blk = pc // G
-        kw = (blk * HD)[:, None] + i[None, :]  # a block's K parameters, as pair words
-        c = tl.load(k_base + bh * S * HD + pc[:, None] * HD + i[None, :]).to(tl.int32)
-        mn_e, mn_o = _pair_words(k_base_min + bh * NB * D, kw, HD)
-        sc_e, sc_o = _pair_words(k_base_scale + bh * NB * D, kw, HD)
-        ke = mn_e + sc_e * (c & 15).to(tl.float32)
-        ko = mn_o + sc_o * (c >> 4).to(tl.float32)
-        c = tl.load(v_base + bh * S * HD + pc[:, None] * HD + i[None, :]).to(tl.int32)
-        vmn, vsc = _row_group_params(v_base_min + bh * S * NG, v_base_scale + bh * S * NG, pc, pc >= 0, BP, NG, G, HD)
-        ve = vmn + vsc * (c & 15).to(tl.float32)
-        vo = vmn + vsc * (c >> 4).to(tl.float32)
-        for j in tl.static_range(1, DEPTH + 1):
-            rj = tl.load(rows + ((j - 1) * B + b) * S + pc)
-            has = rj >= 0
-            h2 = has[:, None]
-            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
-            pk = (((j - 1) * B + b) * H + h) * NB * D
-            c = tl.load(k_res + bh * CAPT * HD + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-            mn_e, mn_o = _pair_words(k_res_min + pk, kw, HD)
-            sc_e, sc_o = _pair_words(k_res_scale + pk, kw, HD)
-            ke = tl.where(h2, ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
-            ko = tl.where(h2, ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
-            c = tl.load(v_res + bh * CAPT * HD + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-            vmn, vsc = _row_group_params(v_res_min + bh * CAPT * NG, v_res_scale + bh * CAPT * NG, g, has, BP, NG, G, HD)
-            ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
-            vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+        kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]  # each position's block of K parameters
+        ke, ko = _bulk_k(k_base + bh * S * HD, k_base_min + bh * NB * D, k_base_scale + bh * NB * D,
+                         k_res + bh * CAPT * HD, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
+                         B, H, S, NB, D, DEPTH)
+        ve, vo = _bulk_v(v_base + bh * S * HD, v_base_min + bh * S * NG, v_base_scale + bh * S * NG,
+                         v_res + bh * CAPT * HD, v_res_min + bh * CAPT * NG, v_res_scale + bh * CAPT * NG,
+                         rows, res_layout, pc, b, B, S, D, G, BP, DEPTH)
         ty = out_k.dtype.element_ty
         o = ((bh * P + t) * D)[:, None] + tl.arange(0, D)[None, :]
         tl.store(out_k + o, tl.reshape(tl.join(_round_to(ke, CD), _round_to(ko, CD)), [BP, D]).to(ty))
@@ -745,15 +779,6 @@ def _fast_decode_tiles(
 
 
 @triton.jit
-def _pair_params(ptr, off, HD: tl.constexpr):
-    """FP32 (even, odd) channel parameters [1, HD] of the D = 2 * HD contiguous fp16 values at
-    ptr + off (off even): each (even, odd) pair read as one 32-bit word and split in registers
-    (a reshape + split of a [D] load costs a shared-memory shuffle per tile)."""
-    e, o = _pair_words(ptr + off, tl.arange(0, HD), HD)
-    return e[None, :], o[None, :]
-
-
-@triton.jit
 def _row_group_params(v_min, v_scale, r, rmask, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, HD: tl.constexpr):
     """FP32 V (minimum, scale) [BN, HD] of rows r [BN]: one load of a row's NG groups (contiguous),
     broadcast over each group's G / 2 channel pairs. One or two groups per row (head_dim 64 or
@@ -831,40 +856,16 @@ def _decode_bulk_kernel(
     vr_scale = v_res_scale + bh * CAPT * NG
     for tile in tl.range(lo, hi, num_stages=STAGES):
         p = tile * BN + tl.arange(0, BN)  # int32: positions < S
-        blk = (tile * BN) // G
-        c = tl.load(kb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
-        mn_e, mn_o = _pair_params(kb_min, blk * D, HD)
-        sc_e, sc_o = _pair_params(kb_scale, blk * D, HD)
-        ke = mn_e + sc_e * (c & 15).to(tl.float32)
-        ko = mn_o + sc_o * (c >> 4).to(tl.float32)
-        for j in tl.static_range(1, DEPTH + 1):
-            rj = tl.load(rows + ((j - 1) * B + b) * S + p)
-            has = rj >= 0
-            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
-            c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
-            pk = (((j - 1) * B + b) * H + h) * NB * D + blk * D
-            mn_e, mn_o = _pair_params(k_res_min, pk, HD)
-            sc_e, sc_o = _pair_params(k_res_scale, pk, HD)
-            ke = tl.where(has[:, None], ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
-            ko = tl.where(has[:, None], ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
+        kw = ((tile * BN) // G * HD + i)[None, :]  # the tile's block of K parameters (BN divides G)
+        ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
+                         B, H, S, NB, D, DEPTH)
         s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
         m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
         l_i = l_i * alpha + tl.sum(pr, 0)
         m_i = m_new
-        c = tl.load(vb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
-        vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BN, NG, G, HD)
-        ve = vmn + vsc * (c & 15).to(tl.float32)
-        vo = vmn + vsc * (c >> 4).to(tl.float32)
-        for j in tl.static_range(1, DEPTH + 1):
-            rj = tl.load(rows + ((j - 1) * B + b) * S + p)
-            has = rj >= 0
-            g = tl.load(res_layout + j) + tl.where(has, rj, 0)
-            c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
-            vmn, vsc = _row_group_params(vr_min, vr_scale, g, has, BN, NG, G, HD)
-            ve = tl.where(has[:, None], ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
-            vo = tl.where(has[:, None], vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+        ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S, D, G, BN, DEPTH)
         acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
         acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
     prow = bh * NSPL + z
