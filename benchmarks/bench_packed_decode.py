@@ -149,6 +149,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then fast-path launch pa
        {"tuning": {"bulk_kernel": True, "block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv}})
       for bn, w, st, mr, wv in ((16, 4, 1, None, 4), (16, 4, 2, None, 4), (16, 4, 2, 128, 4), (16, 4, 2, 128, 8), (16, 4, 3, 128, 4),
                                 (16, 8, 2, None, 4), (32, 4, 2, None, 4), (32, 8, 1, None, 4))],
+    # packed_read of the whole history (sparse decode's loop-2 reference under quantization),
+    # generic vs PACKED_READ "bulk"; not attention variants (the suite's best pick skips them)
+    ("read whole history generic", {"read": True, "bulk": False}),
+    ("read whole history bulk", {"read": True, "bulk": True}),
 ]
 
 
@@ -167,21 +171,35 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                 kd, vd, pd = step[depth]
                 ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
                 nbytes = packed_bytes(cache, B, S - 1, depth)
+                history = torch.arange(S - 1, device="cuda")[None].expand(B, -1)
                 for name, kw in [(n, kw) for n, kw in SWEEP if any(v in n for v in args.variants.split("|"))]:
-                    def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth):
+                    read = kw.get("read", False)
+                    out_k = torch.empty(B, H, S - 1, D, device="cuda", dtype=DT) if read else None
+                    out_v = torch.empty_like(out_k) if read else None
+
+                    def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v):
+                        if kw.get("read"):
+                            K.launch_packed_read(tensors, history, depth, out_k, out_v, bulk=kw["bulk"])
+                            return out_k, out_v
                         out = torch.empty_like(q)
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out
                     try:
-                        torch.testing.assert_close(fn().float(), ref.float(), atol=1e-2, rtol=1e-2)
+                        if read:
+                            ka, va = P.packed_read_aten(*tensors, history, depth)
+                            kk, vk = fn()
+                            assert torch.equal(ka, kk) and torch.equal(va, vk), "read differs from the ATen body"
+                        else:
+                            torch.testing.assert_close(fn().float(), ref.float(), atol=1e-2, rtol=1e-2)
                         ms = statistics.median(_times(graph_of(fn), args.repeats, args.warmup, l2))
                     except Exception as e:  # a launch configuration that does not compile
                         rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "error": str(e)[:300]})
                         print(f"B={B} S={S} depth={depth} {name}: {str(e)[:120]}", flush=True)
                         continue
+                    moved = nbytes + (2 * B * H * (S - 1) * D * 2 if read else 0)  # + the BF16 K/V a read writes
                     rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
-                                 "GBps": nbytes / (ms * 1e-3) / 1e9, "bytes": nbytes})
-                    print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
+                                 "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": "read" if read else "attention"})
+                    print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {moved / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
             del cache
             torch.cuda.empty_cache()
             save(rows)
@@ -215,7 +233,7 @@ def main() -> None:
         best = {}
         for r in rows:
             key = (r["batch"], r["seq"], r["depth"])
-            if "us" in r and (key not in best or r["us"] < best[key]["us"]):
+            if "us" in r and r.get("kind") != "read" and (key not in best or r["us"] < best[key]["us"]):
                 best[key] = r
         gen = {(r["batch"], r["seq"], r["depth"]): r for r in rows if r["variant"] == "generic" and "us" in r}
         for key, r in sorted(best.items()):

@@ -35,11 +35,11 @@ if [[ $SUITE == *sweep* ]]; then
   # launch parameters and the bulk-kernel points;
   # '' is the whole grid, longer than this stage's 200 s; the JSON is saved after each batch size)
   timeout 200 python3 benchmarks/bench_packed_decode.py --sweep --batch 1 4 --seq 32768 --depths 1 3 \
-    --repeats 20 --warmup 3 --variants "${SWEEP_VARIANTS-defaults|bulk}" > "$OUT/sweep.log" 2>&1
+    --repeats 20 --warmup 3 --variants "${SWEEP_VARIANTS-defaults|bulk|read}" > "$OUT/sweep.log" 2>&1
   grep "^best" "$OUT/sweep.log"
   best=$(python3 - "$OUT/packed_sweep.json" <<'EOF2'
 import json, sys, collections
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "us" in r]
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "us" in r and r.get("kind") != "read"]
 keys = {(r["batch"], r["depth"]) for r in rows}
 total = collections.defaultdict(float); seen = collections.Counter()
 for r in rows:
