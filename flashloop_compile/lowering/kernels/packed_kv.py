@@ -488,6 +488,19 @@ def _pair_words(ptr, word_off, HD: tl.constexpr):
 
 
 @triton.jit
+def _row_bases(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+               bh, S, NB, CAPT, D: tl.constexpr, G: tl.constexpr):
+    """The packed store's per-(batch, head) base pointers (bh = b * H + h): base codes, base K
+    parameters per block, base V parameters per row, residual codes and residual V parameters
+    per row (residual K parameters are per depth: the caller offsets k_res_min/k_res_scale)."""
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    return (k_base + bh * S * HD, k_base_min + bh * NB * D, k_base_scale + bh * NB * D,
+            v_base + bh * S * HD, v_base_min + bh * S * NG, v_base_scale + bh * S * NG,
+            k_res + bh * CAPT * HD, v_res + bh * CAPT * HD, v_res_min + bh * CAPT * NG, v_res_scale + bh * CAPT * NG)
+
+
+@triton.jit
 def _bulk_residual_rows(rows, res_layout, j, b, B, S, p):
     """Residual j of positions p in the flushed bulk: where present, and its global row (0 where not)."""
     rj = tl.load(rows + ((j - 1) * B + b) * S + p)
@@ -556,7 +569,6 @@ def _read_bulk_kernel(
     whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
     _reconstruct: the two kernels write identical values."""
     HD: tl.constexpr = D // 2
-    NG: tl.constexpr = D // G
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -566,12 +578,13 @@ def _read_bulk_kernel(
         bh = b * H + h
         pc = p.to(tl.int32)
         kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]  # each position's block of K parameters
-        ke, ko = _bulk_k(k_base + bh * S * HD, k_base_min + bh * NB * D, k_base_scale + bh * NB * D,
-                         k_res + bh * CAPT * HD, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
+        kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+            bh, S, NB, CAPT, D, G,
+        )
+        ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
                          B, H, S, NB, D, DEPTH)
-        ve, vo = _bulk_v(v_base + bh * S * HD, v_base_min + bh * S * NG, v_base_scale + bh * S * NG,
-                         v_res + bh * CAPT * HD, v_res_min + bh * CAPT * NG, v_res_scale + bh * CAPT * NG,
-                         rows, res_layout, pc, b, B, S, D, G, BP, DEPTH)
+        ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G, BP, DEPTH)
         ty = out_k.dtype.element_ty
         o = ((bh * P + t) * D)[:, None] + tl.arange(0, D)[None, :]
         tl.store(out_k + o, tl.reshape(tl.join(_round_to(ke, CD), _round_to(ko, CD)), [BP, D]).to(ty))
@@ -729,16 +742,10 @@ def _fast_decode_tiles(
     bh = b * H + h
     i = tl.arange(0, NP)
     imask = (i < HD)[None, :]
-    kb_codes = k_base + bh * S * HD
-    vb_codes = v_base + bh * S * HD
-    kb_min = k_base_min + bh * NB * D
-    kb_scale = k_base_scale + bh * NB * D
-    vb_min = v_base_min + bh * S * NG
-    vb_scale = v_base_scale + bh * S * NG
-    kr_codes = k_res + bh * CAPT * HD
-    vr_codes = v_res + bh * CAPT * HD
-    vr_min = v_res_min + bh * CAPT * NG
-    vr_scale = v_res_scale + bh * CAPT * NG
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        bh, S, NB, CAPT, D, G,
+    )
     vgrp = (i // (G // 2))[None, :]
     for tile in tl.range(lo, hi, num_stages=STAGES):
         p = tile * BN + tl.arange(0, BN)  # int32: positions < S
@@ -820,7 +827,6 @@ def _decode_bulk_kernel(
     constexpr (one compiled variant per loop of the model): the residual loops unroll without
     masks and the tile loop's loads can be software-pipelined."""
     HD: tl.constexpr = D // 2
-    NG: tl.constexpr = D // G
     NSPL: tl.constexpr = NSTORED + 1
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
@@ -844,16 +850,10 @@ def _decode_bulk_kernel(
     l_i = tl.zeros([1], tl.float32)
     acc_e = tl.zeros([1, HD], tl.float32)
     acc_o = tl.zeros([1, HD], tl.float32)
-    kb_codes = k_base + bh * S * HD
-    vb_codes = v_base + bh * S * HD
-    kb_min = k_base_min + bh * NB * D
-    kb_scale = k_base_scale + bh * NB * D
-    vb_min = v_base_min + bh * S * NG
-    vb_scale = v_base_scale + bh * S * NG
-    kr_codes = k_res + bh * CAPT * HD
-    vr_codes = v_res + bh * CAPT * HD
-    vr_min = v_res_min + bh * CAPT * NG
-    vr_scale = v_res_scale + bh * CAPT * NG
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        bh, S, NB, CAPT, D, G,
+    )
     for tile in tl.range(lo, hi, num_stages=STAGES):
         p = tile * BN + tl.arange(0, BN)  # int32: positions < S
         kw = ((tile * BN) // G * HD + i)[None, :]  # the tile's block of K parameters (BN divides G)
