@@ -7,7 +7,8 @@ cannot be spent on: a variant that spills, or whose loads did not vectorize (LDG
 LDG.E.128), or that reduces across warps through shared memory every key tile (BAR.SYNC), shows
 here before it is timed.
 
-    python scripts/kernel_report.py                       # packed decode (fast, generic), prefill, sparse decode, write
+    python scripts/kernel_report.py                       # packed decode (fast, generic), prefill, sparse decode, read, write
+    python scripts/kernel_report.py --only read --depth 3  # loop depth of the decode and read launches (a bulk-kernel constexpr)
     python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
     python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS
 
@@ -127,7 +128,8 @@ def _decode_setup(B: int, S: int, T: int = 1):
     return cache.op_tensors(0), q, kv, pos, out
 
 
-def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple[str, dict]]:
+def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
+    """(label, grid, launch kwargs, compiled kernel) of every launch of the chosen groups."""
     from flashloop_compile.lowering.kernels import packed_kv as K
 
     sink: list = []
@@ -191,7 +193,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["decode", "prefill", "sparse", "read", "write"])
     ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
-    ap.add_argument("--depth", type=int, default=1, help="the decode launches' loop depth (0..R-1; a constexpr of the bulk kernel)")
+    ap.add_argument("--depth", type=int, default=1, help="loop depth of the decode and read launches (0..R-1; a constexpr of the bulk kernels)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel instead of the table")
     args = ap.parse_args()
