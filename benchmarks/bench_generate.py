@@ -23,16 +23,31 @@ that batch runs out of memory the next smaller ones are tried (``--max-batch-ret
 Engine at batch + 1 is allocated (caches only, no compile) to see whether it is refused, next to
 what the accounting says it needs.
 
-Work runs in priority order under ``--deadline`` (skipped items are recorded as "skipped"): the
-first shape (dense, all-on), the max-batch part (dense, all-on), the remaining shapes. Rows go to
+Work order (``work_order``): every shape, dense then all-on, then the max-batch part per
+configuration, last: it needs the most memory and matters least, so it takes neither memory nor
+time from the shapes. Each item (a generate, a max-batch attempt, the batch + 1 allocation) runs in
+a function of its own, so its engine dies with its locals, and starts from released memory
+(``release``); a failure is recorded as text and its exception dropped before that (its traceback's
+frames hold the engine and its caches). Each item's row says what was allocated when it started
+(``allocated_at_start_gb``; null on the CPU, where torch does not count) and after its caches
+(``allocated_after_caches_gb``), its peak, and the peak over the caches per batch row
+(``non_cache_peak_per_row_gb``: activations, scratch, CUDA-graph pools). An item that starts more
+than 1 GB over the model's own memory prints a WARNING line: an earlier item's memory was kept.
+
+Under ``--deadline`` an item starts only when its estimate fits the time left, else it is recorded
+as "skipped" with the estimate and its basis: a generate item from the last completed one of its
+configuration (its compile, and its prefill and decode times scaled by the batch's tokens), a
+max-batch attempt from the previous attempt of its configuration or twice the decode-graph capture
+of its generate items, ``--min-item-s`` while nothing of its configuration has run. Rows go to
 $OUT/generate.jsonl (common.record); ``--plot PATH`` draws them (benchmarks/plot_generate.py,
 matplotlib; without it the plot is skipped with a message).
 
-    # GPU machine, from the repository root (no install), results under $OUT; two device calls of
-    # <= 10 min: the first shape + the max-batch part + what else fits, then the other shapes
+    # GPU machine, from the repository root (no install), results under $OUT. One device call of
+    # <= 10 min runs what fits, in order; an all-on item compiles for minutes, so what does not fit
+    # is recorded as skipped: a second call runs those (their --shapes; --no-max-batch or --shapes '')
     export PYTHONPATH=$PWD TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
     timeout 590 python benchmarks/bench_generate.py --deadline 540 > $OUT/generate.log 2>&1
-    timeout 590 python benchmarks/bench_generate.py --shapes 4x32768+256,1x8192+256,16x8192+256 --no-max-batch \
+    timeout 590 python benchmarks/bench_generate.py --shapes 1x8192+256,16x8192+256 --no-max-batch \
         --deadline 540 > $OUT/generate2.log 2>&1
     python benchmarks/bench_generate.py --shapes '' --deadline 300          # only the max-batch part
     # CPU smoke run (tiny preset, rewritten graphs run eagerly, budget = weights + 4 dense slots; < 1 min):
@@ -44,6 +59,7 @@ matplotlib; without it the plot is skipped with a message).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import statistics
@@ -66,6 +82,12 @@ CONFIGS = {
 }
 NAME = "generate"
 GIB = 2**30
+LEAK_GB = 1.0  # an item starting this much over the model's own memory: an earlier item's was kept
+SAFETY = 1.2  # on a time estimate taken from one earlier item
+# A max-batch attempt's estimate before any attempt of its config ran: on the H200 (2026-11-30)
+# the first decode step at the largest batch (compile + capture) took 1.7x (dense) and over 2x
+# (all-on, until it ran out of memory) the capture time of the config's 1x32K generate item.
+ATTEMPT_VS_CAPTURE = 2.0
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -82,13 +104,31 @@ def round_up(n: int, m: int = 64) -> int:
     return -(-n // m) * m
 
 
-def free_memory(model) -> None:
-    """Drop the engine's caches and compiled graphs (call after deleting the engine)."""
+def work_order(shapes: list[str], configs: list[str], max_batch: bool) -> list[tuple[str, str | None, str]]:
+    """(part, shape, config) in run order: every shape, its configs in order (dense first: the
+    speedups refer to it), then the max-batch search per config, the most memory-hungry and least
+    important part."""
+    items: list[tuple[str, str | None, str]] = [("generate", s, n) for s in shapes for n in configs]
+    if max_batch:
+        items += [("max_batch", None, n) for n in configs]
+    return items
+
+
+def release(model) -> None:
+    """Free what earlier items left: Dynamo's compiled code, the model's caches, unreachable cycles
+    (e.g. a dropped exception's frames, which hold engines and caches), the allocator's cached
+    blocks; and start a new peak."""
     torch._dynamo.reset()
     model.clear_caches()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def allocated_gb() -> float | None:
+    """Memory the allocator holds in tensors (GB); None on the CPU, where torch does not count it."""
+    return torch.cuda.memory_allocated() / 1e9 if torch.cuda.is_available() else None
 
 
 def peak_gb() -> float | None:
@@ -110,111 +150,157 @@ class Bench:
         self.dtype = getattr(torch, args.dtype)
         self.model = OuroForCausalLM.from_preset(args.preset, dtype=self.dtype, device=device(), seed=args.seed).eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.model_gb = allocated_gb()  # weights and the model's own buffers: what every item starts from
         self.inner = args.inner if args.inner != "auto" else ("inductor" if device() == "cuda" else "eager")
         self.configs = {
             n: FlashLoopConfig.from_dict({**CONFIGS[n], "compilation.outline_layers": args.outline}) for n in args.configs.split(",")
         }
-        self.done: dict[tuple, dict] = {}  # (shape, config) -> row (and its tokens), for the speedups
+        self.done: dict[tuple, dict] = {}  # (shape, config) -> row (and its tokens), for the speedups and estimates
+        self.attempt_s: dict[str, float] = {}  # config -> seconds of its last max-batch attempt
 
     # -- helpers ----------------------------------------------------------------------------------
-    def engine(self, name: str, batch: int, max_seq: int, new_tokens: int):
+    def engine(self, name: str, batch: int, max_seq: int, new_tokens: int, row: dict):
+        """An Engine whose only CUDA-graph bucket is ``batch`` (every decode step replays one
+        graph); ``row`` gets what is allocated once its caches are."""
         from flashloop_compile.backend import make_backend
         from flashloop_compile.runtime.engine import Engine
 
         cfg = self.configs[name]
-        torch._dynamo.reset()
-        # the batch is the engine's only bucket, so every decode step replays one graph
-        return Engine(self.model, cfg, max_batch=batch, max_seq=max_seq, max_new_tokens=new_tokens, batch_buckets=(batch,),
-                      backend=make_backend(cfg, inner=self.inner))
+        engine = Engine(self.model, cfg, max_batch=batch, max_seq=max_seq, max_new_tokens=new_tokens, batch_buckets=(batch,),
+                        backend=make_backend(cfg, inner=self.inner))
+        row["allocated_after_caches_gb"] = allocated_gb()
+        return engine
 
     def base(self, name: str) -> dict:
         cfg = self.configs[name]
         return {"preset": self.args.preset, "dtype": self.args.dtype, "config": name, "config_hash": cfg.hash(),
                 "options": cfg.to_dict(), "inner": self.inner, "outline": self.args.outline}
 
-    def guarded(self, what: dict, fn) -> None:
-        """Run one work item; a failure is recorded and the run goes on."""
-        if not self.deadline.allows(self.args.min_item_s):
-            record(NAME, {"kind": "skipped", **what, "reason": f"deadline ({self.deadline.left():.0f} s left)"})
-            return
+    def run_item(self, row: dict, fn, need_s: float, basis: str) -> dict:
+        """One work item: ``fn(row)`` fills ``row``, which is recorded and returned.
+
+        Skipped (a "skipped" row) when the estimate ``need_s`` (from ``basis``) and --margin-s do
+        not fit the time left. Otherwise it starts from released memory; a failure keeps what
+        ``fn`` measured before it, with the peak and the error, recorded as text: the exception is
+        dropped with the except block, before the next item's release."""
+        left = self.deadline.left()
+        if need_s + self.args.margin_s > left:
+            skipped = {**row, "kind": "skipped", "reason": f"deadline: needs ~{need_s:.0f} s ({basis}), {left:.0f} s left"}
+            record(NAME, skipped)
+            return skipped
+        release(self.model)
+        row["allocated_at_start_gb"] = start = allocated_gb()
+        if start is not None and start > self.model_gb + LEAK_GB:
+            print(f"WARNING: {row['kind']} {row['config']} batch {row['batch']} starts with {start:.2f} GB allocated, "
+                  f"{start - self.model_gb:.2f} GB over the model's own: an earlier item's memory was not released",
+                  flush=True)
+        t0 = time.perf_counter()
         try:
-            fn()
+            fn(row)
         except torch.cuda.OutOfMemoryError as e:
-            record(NAME, {"kind": "oom", **what, "error": str(e)[:400]})
+            # a generate item keeps its kind "oom": plot_generate reads "generate" rows as complete
+            row.update(kind="oom" if row["kind"] == "generate" else row["kind"], oom=True, error=str(e)[:400])
         except Exception as e:  # one broken item must not cost the rest of the run
-            record(NAME, {"kind": "error", **what, "error": error_text(e)})
-        finally:
-            free_memory(self.model)
+            row.update(kind="error", error=error_text(e))
+        row["item_s"] = time.perf_counter() - t0
+        row.setdefault("peak_memory_gb", peak_gb())
+        after = row.get("allocated_after_caches_gb")
+        if after is not None and row["peak_memory_gb"] is not None:
+            row["non_cache_peak_gb"] = row["peak_memory_gb"] - after
+            row["non_cache_peak_per_row_gb"] = row["non_cache_peak_gb"] / row["batch"]
+        record(NAME, row)
+        return row
+
+    def last_generate(self, name: str) -> dict | None:
+        """The row of the config's last completed generate item."""
+        rows = [d["row"] for (_, n), d in self.done.items() if n == name]
+        return rows[-1] if rows else None
 
     # -- part 1: end-to-end generation ------------------------------------------------------------
     def generate(self, shape: str, name: str) -> None:
+        """The generate item of ``shape`` and config ``name``, if its estimate fits the deadline."""
+        row = {"kind": "generate", **self.base(name), "part": "generate", "shape": shape, "batch": parse_shape(shape)[0]}
+        self.run_item(row, functools.partial(self._timed_generate, shape, name), *self.generate_need_s(shape, name))
+
+    def generate_need_s(self, shape: str, name: str) -> tuple[float, str]:
+        """A generate item's estimate and its basis: the config's last completed item's compile
+        (its warm-up less its prefill), two prefills and 3 + NEW decode steps scaled by the
+        batch's tokens (a step never below the measured one: every step reads the weights);
+        --min-item-s before any."""
+        last = self.last_generate(name)
+        if last is None:
+            return self.args.min_item_s, "--min-item-s: nothing of this config ran yet"
+        b, prompt, new = parse_shape(shape)
+        scale = b * (prompt + new) / (last["batch"] * (last["prompt"] + last["new_tokens"]))
+        compile_s = max(0.0, last["warmup_s"] - last["ttft_ms"] / 1e3)
+        prefills_s = 2 * last["ttft_ms"] / 1e3 * scale
+        steps_s = (3 + new) * last["tpot_ms"] / 1e3 * max(scale, 1.0)
+        return (SAFETY * (compile_s + prefills_s + steps_s),
+                f"from {last['shape']}: compile {compile_s:.0f} s, prefills {prefills_s:.0f} s, decode {steps_s:.0f} s")
+
+    def _timed_generate(self, shape: str, name: str, row: dict) -> None:
         from flashloop_compile.cli import _synthetic_prompt
 
         b, prompt, new = parse_shape(shape)
         vocab = self.model.config.vocab_size
         prompts = [_synthetic_prompt(vocab, prompt, self.args.seed + i) for i in range(b)]
-        engine = self.engine(name, b, round_up(prompt + new), new)
-        try:
+        engine = self.engine(name, b, round_up(prompt + new), new, row)
+        sync()
+        t0 = time.perf_counter()
+        warm = engine.generate(prompts, 2)  # compile (prefill + decode) and capture
+        sync()
+        warmup_s = time.perf_counter() - t0
+        # probe decode steps on the warm state: the step time, to fit the timed run in the deadline
+        tok = torch.tensor([t[-1] for t in warm.tokens], device=device())
+        pos = torch.full((b,), prompt + 1, device=device())
+        probe = []
+        for _ in range(max(0, min(3, new - 3))):
             sync()
-            t0 = time.perf_counter()
-            warm = engine.generate(prompts, 2)  # compile (prefill + decode) and capture
+            t1 = time.perf_counter()
+            tok = engine.decode(tok, pos).argmax(-1)
             sync()
-            warmup_s = time.perf_counter() - t0
-            # probe decode steps on the warm state: the step time, to fit the timed run in the deadline
-            tok = torch.tensor([t[-1] for t in warm.tokens], device=device())
-            pos = torch.full((b,), prompt + 1, device=device())
-            probe = []
-            for _ in range(max(0, min(3, new - 3))):
-                sync()
-                t1 = time.perf_counter()
-                tok = engine.decode(tok, pos).argmax(-1)
-                sync()
-                probe.append(time.perf_counter() - t1)
-                pos = pos + 1
-            step_est = max(probe) if probe else (max(warm.token_latency_s) if warm.token_latency_s else 0.0)
-            room = self.deadline.left() - self.args.margin_s - warm.prefill_s
-            n_new = new
-            if step_est > 0 and (new - 1) * step_est * 1.2 > room:
-                n_new = max(2, min(new, 1 + int(room / (step_est * 1.2))))
-            reset_peak()
-            sync()
-            t0 = time.perf_counter()
-            result = engine.generate(prompts, n_new)
-            sync()
-            total_s = time.perf_counter() - t0
-            mem = engine.memory()
-            lat = sorted(result.token_latency_s)
-            generated = sum(len(t) for t in result.tokens)
-            row = {
-                "kind": "generate", **self.base(name), "shape": shape, "batch": b, "prompt": prompt,
-                "new_tokens": n_new, "new_tokens_asked": new, "max_seq": engine.max_seq,
-                "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
-                "tpot_p10_ms": lat[len(lat) // 10] * 1e3 if lat else None,
-                "tpot_p90_ms": lat[(9 * len(lat)) // 10] * 1e3 if lat else None,
-                "decode_mean_ms": statistics.fmean(lat) * 1e3 if lat else None,
-                "probe_step_ms": [x * 1e3 for x in probe],
-                "total_s": total_s, "generated_tokens": generated, "throughput_tok_s": generated / total_s,
-                "decode_tok_s": b / result.tpot_s if lat else None,
-                "peak_memory_gb": peak_gb(), "kv_bytes": mem.bytes, "kv_dense_bytes": mem.dense_bytes,
-                "kv_ratio": mem.ratio, "kv_packed": mem.packed,
-                "graphs": engine.num_graphs, "cuda_graphs": engine.cuda_graphs and engine.num_graphs > 0,
-                "capture_s": engine.capture_s, "warmup_s": warmup_s, "weights_gb": self.weight_bytes / 1e9,
+            probe.append(time.perf_counter() - t1)
+            pos = pos + 1
+        step_est = max(probe) if probe else (max(warm.token_latency_s) if warm.token_latency_s else 0.0)
+        room = self.deadline.left() - self.args.margin_s - warm.prefill_s
+        n_new = new
+        if step_est > 0 and (new - 1) * step_est * SAFETY > room:
+            n_new = max(2, min(new, 1 + int(room / (step_est * SAFETY))))
+        reset_peak()
+        sync()
+        t0 = time.perf_counter()
+        result = engine.generate(prompts, n_new)
+        sync()
+        total_s = time.perf_counter() - t0
+        mem = engine.memory()
+        lat = sorted(result.token_latency_s)
+        generated = sum(len(t) for t in result.tokens)
+        row.update({
+            "prompt": prompt, "new_tokens": n_new, "new_tokens_asked": new, "max_seq": engine.max_seq,
+            "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
+            "tpot_p10_ms": lat[len(lat) // 10] * 1e3 if lat else None,
+            "tpot_p90_ms": lat[(9 * len(lat)) // 10] * 1e3 if lat else None,
+            "decode_mean_ms": statistics.fmean(lat) * 1e3 if lat else None,
+            "probe_step_ms": [x * 1e3 for x in probe],
+            "total_s": total_s, "generated_tokens": generated, "throughput_tok_s": generated / total_s,
+            "decode_tok_s": b / result.tpot_s if lat else None,
+            "peak_memory_gb": peak_gb(), "kv_bytes": mem.bytes, "kv_dense_bytes": mem.dense_bytes,
+            "kv_ratio": mem.ratio, "kv_packed": mem.packed,
+            "graphs": engine.num_graphs, "cuda_graphs": engine.cuda_graphs and engine.num_graphs > 0,
+            "capture_s": engine.capture_s, "warmup_s": warmup_s, "weights_gb": self.weight_bytes / 1e9,
+        })
+        dense = self.done.get((shape, "dense"))
+        if name != "dense" and dense is not None:
+            d = dense["row"]
+            row["speedup_vs_dense"] = {
+                "ttft": d["ttft_ms"] / row["ttft_ms"], "tpot": d["tpot_ms"] / row["tpot_ms"],
+                "end_to_end": d["total_s"] / total_s if d["new_tokens"] == n_new else None,
+                "throughput": row["throughput_tok_s"] / d["throughput_tok_s"],
+                "kv_bytes": d["kv_bytes"] / row["kv_bytes"],
             }
-            dense = self.done.get((shape, "dense"))
-            if name != "dense" and dense is not None:
-                d = dense["row"]
-                row["speedup_vs_dense"] = {
-                    "ttft": d["ttft_ms"] / row["ttft_ms"], "tpot": d["tpot_ms"] / row["tpot_ms"],
-                    "end_to_end": d["total_s"] / total_s if d["new_tokens"] == n_new else None,
-                    "throughput": row["throughput_tok_s"] / d["throughput_tok_s"],
-                    "kv_bytes": d["kv_bytes"] / row["kv_bytes"],
-                }
-                pairs = [(x, y) for a, c in zip(dense["tokens"], result.tokens) for x, y in zip(a, c)]
-                row["agreement_with_dense"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
-            self.done[(shape, name)] = {"row": row, "tokens": result.tokens}
-            record(NAME, row)
-        finally:
-            del engine
+            pairs = [(x, y) for a, c in zip(dense["tokens"], result.tokens) for x, y in zip(a, c)]
+            row["agreement_with_dense"] = sum(x == y for x, y in pairs) / max(len(pairs), 1)
+        self.done[(shape, name)] = {"row": row, "tokens": result.tokens}
 
     def summary(self) -> None:
         """One line per timed generation (the rows are in $OUT/generate.jsonl)."""
@@ -241,6 +327,8 @@ class Bench:
         return float(self.weight_bytes + 4 * slot), 0.0
 
     def max_batch(self, name: str) -> None:
+        """The accounted batch, then attempts descending from it until one decodes, then batch + 1
+        allocated; each attempt an item of its own."""
         from flashloop_compile.runtime.memory import kv_memory, max_batch_for
 
         a, cfg, mcfg = self.args, self.configs[name], self.model.config
@@ -249,7 +337,7 @@ class Bench:
         per_slot = kv_memory(mcfg, cfg, 1, context, max_new_tokens=new).bytes  # BF16 KV, as max_batch_for counts
         accounted = max_batch_for(mcfg, cfg, context, budget, weight_bytes=self.weight_bytes, max_new_tokens=new,
                                   reserve_bytes=reserve)
-        what = {**self.base(name), "context": context, "new_tokens": new}
+        what = {**self.base(name), "part": "max_batch", "context": context, "new_tokens": new}
         record(NAME, {
             "kind": "max_batch_accounting", **what, "max_batch": accounted, "budget_gib": budget / GIB,
             "reserve_gib": reserve / GIB, "weights_gib": self.weight_bytes / GIB, "kv_per_slot_gib": per_slot / GIB,
@@ -258,89 +346,85 @@ class Bench:
         if accounted < 1:
             record(NAME, {"kind": "max_batch", **what, "batch": 0, "error": "not even one slot fits the budget"})
             return
-        batch, verified = accounted, None
-        for attempt in range(a.max_batch_retries + 1):
-            if attempt and not self.deadline.allows(a.min_item_s):
-                record(NAME, {"kind": "skipped", **what, "batch": batch, "reason": "deadline (max-batch retry)"})
-                break
-            try:
-                verified = self._decode_at(name, batch, accounted, what)
-            except torch.cuda.OutOfMemoryError as e:
-                record(NAME, {"kind": "max_batch", **what, "batch": batch, "accounted_batch": accounted, "oom": True,
-                              "error": str(e)[:400]})
-            finally:
-                free_memory(self.model)
-            if verified is not None or batch == 1:
-                break
+        batch = accounted
+        for _ in range(a.max_batch_retries + 1):
+            need, basis = self.attempt_need_s(name)
+            row = {"kind": "max_batch", **what, "batch": batch, "accounted_batch": accounted, "oom": False}
+            outcome = self.run_item(row, functools.partial(self._decode_at, name, batch), need, basis)
+            if "item_s" in outcome:
+                self.attempt_s[name] = outcome["item_s"]
+            if outcome["kind"] == "max_batch" and not outcome["oom"]:
+                need_next = self.weight_bytes + reserve + (batch + 1) * per_slot
+                row = {"kind": "max_batch_next", **what, "batch": batch + 1, "accounted_batch": accounted,
+                       "accounting_need_gib": need_next / GIB, "budget_gib": budget / GIB,
+                       "exceeds_budget": need_next > budget, "allocated": False}
+                self.run_item(row, functools.partial(self._allocate_only, name, batch + 1), 0.0, "allocation only")
+                return
+            if not outcome.get("oom") or batch == 1:
+                return
             batch = max(1, batch - max(1, round(0.1 * batch)))
-        if verified is not None:
-            self._allocate_only(name, verified + 1, accounted, per_slot, budget, reserve, what)
 
-    def _decode_at(self, name: str, batch: int, accounted: int, what: dict) -> int | None:
+    def attempt_need_s(self, name: str) -> tuple[float, str]:
+        """A max-batch attempt's estimate and its basis: the longer of the config's previous
+        attempt and ATTEMPT_VS_CAPTURE x its last generate item's decode capture; --min-item-s
+        before either."""
+        last = self.last_generate(name)
+        from_capture = ATTEMPT_VS_CAPTURE * last["capture_s"] if last is not None else None
+        previous = self.attempt_s.get(name)
+        if from_capture is None and previous is None:
+            return self.args.min_item_s, "--min-item-s: nothing of this config ran yet"
+        need = max(x for x in (from_capture, previous) if x is not None)
+        return SAFETY * need, f"previous attempt {previous or 0:.0f} s, {ATTEMPT_VS_CAPTURE:g} x capture {from_capture or 0:.0f} s"
+
+    def _decode_at(self, name: str, batch: int, row: dict) -> None:
+        """Caches at ``batch``, filled synthetically, then decode steps timed; ``row`` gets each
+        stage's time as it passes (an attempt that runs out of memory shows where)."""
         a = self.args
         context, new = a.max_batch_context, a.max_batch_new_tokens
         prompt = context - new
-        reset_peak()
-        engine = self.engine(name, batch, context, new)
-        try:
-            allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
-            t0 = time.perf_counter()
-            fill_synthetic(engine, prompt, a.fill_chunk, a.seed)
-            sync()
-            fill_s = time.perf_counter() - t0
-            g = torch.Generator().manual_seed(a.seed)
-            tok = torch.randint(0, self.model.config.vocab_size, (batch,), generator=g).to(device())
-            pos = torch.full((batch,), prompt, device=device())
-            t0 = time.perf_counter()
-            tok = engine.decode(tok, pos).argmax(-1)  # compile + capture
-            sync()
-            first_s = time.perf_counter() - t0
+        engine = self.engine(name, batch, context, new, row)
+        t0 = time.perf_counter()
+        fill_synthetic(engine, prompt, a.fill_chunk, a.seed)
+        sync()
+        row.update(prompt=prompt, fill="synthetic", fill_s=time.perf_counter() - t0)
+        g = torch.Generator().manual_seed(a.seed)
+        tok = torch.randint(0, self.model.config.vocab_size, (batch,), generator=g).to(device())
+        pos = torch.full((batch,), prompt, device=device())
+        t0 = time.perf_counter()
+        tok = engine.decode(tok, pos).argmax(-1)  # compile + capture
+        sync()
+        row["first_step_s"] = time.perf_counter() - t0
+        pos = pos + 1
+        steps = min(a.max_batch_steps, new - 2)
+        times = []
+        for _ in range(steps):
+            if times and not self.deadline.allows(a.margin_s):
+                break
+            t1 = time.perf_counter()
+            tok = engine.decode(tok, pos).argmax(-1)
+            tok.tolist()  # the host sync a generation step has (sampling)
+            times.append(time.perf_counter() - t1)
             pos = pos + 1
-            steps = min(a.max_batch_steps, new - 2)
-            times = []
-            for _ in range(steps):
-                if times and not self.deadline.allows(a.margin_s):
-                    break
-                t1 = time.perf_counter()
-                tok = engine.decode(tok, pos).argmax(-1)
-                tok.tolist()  # the host sync a generation step has (sampling)
-                times.append(time.perf_counter() - t1)
-                pos = pos + 1
-            if engine.packed is not None:
-                engine.packed.check_overflow()
-            mem = engine.memory()
-            step = statistics.median(times) if times else float("nan")
-            record(NAME, {
-                "kind": "max_batch", **what, "batch": batch, "accounted_batch": accounted, "oom": False,
-                "prompt": prompt, "fill": "synthetic", "steps": len(times), "step_ms": step * 1e3,
-                "step_mean_ms": statistics.fmean(times) * 1e3 if times else None,
-                "throughput_tok_s": batch / step if times else None,
-                "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "kv_packed": mem.packed,
-                "allocated_after_caches_gb": allocated / 1e9 if allocated is not None else None,
-                "peak_memory_gb": peak_gb(), "fill_s": fill_s, "first_step_s": first_s, "graphs": engine.num_graphs,
-            })
-            return batch
-        finally:
-            del engine
+        if engine.packed is not None:
+            engine.packed.check_overflow()
+        mem = engine.memory()
+        step = statistics.median(times) if times else float("nan")
+        row.update({
+            "steps": len(times), "step_ms": step * 1e3,
+            "step_mean_ms": statistics.fmean(times) * 1e3 if times else None,
+            "throughput_tok_s": batch / step if times else None,
+            "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "kv_packed": mem.packed,
+            "peak_memory_gb": peak_gb(), "graphs": engine.num_graphs,
+        })
 
-    def _allocate_only(self, name, batch, accounted, per_slot, budget, reserve, what) -> None:
-        """Allocate an Engine's caches at ``batch`` (no compile, no forward)."""
-        need = self.weight_bytes + reserve + batch * per_slot
-        row = {"kind": "max_batch_next", **what, "batch": batch, "accounted_batch": accounted,
-               "accounting_need_gib": need / GIB, "budget_gib": budget / GIB, "exceeds_budget": need > budget}
-        engine = None
-        try:
-            engine = self.engine(name, batch, self.args.max_batch_context, self.args.max_batch_new_tokens)
-            row["allocated"] = True
-            if torch.cuda.is_available():
-                free, total = torch.cuda.mem_get_info()
-                row.update(allocated_gb=torch.cuda.memory_allocated() / 1e9, free_after_gib=free / GIB)
-        except torch.cuda.OutOfMemoryError as e:
-            row.update(allocated=False, oom=True, error=str(e)[:300])
-        finally:
-            del engine
-            free_memory(self.model)
-        record(NAME, row)
+    def _allocate_only(self, name: str, batch: int, row: dict) -> None:
+        """An Engine's caches at ``batch``, no compile, no forward (they stay on the model until the
+        next item's release)."""
+        self.engine(name, batch, self.args.max_batch_context, self.args.max_batch_new_tokens, row)
+        row["allocated"] = True
+        if torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            row.update(allocated_gb=torch.cuda.memory_allocated() / 1e9, free_after_gib=free / GIB)
 
 
 def fill_synthetic(engine, prompt: int, chunk: int, seed: int) -> None:
@@ -387,7 +471,7 @@ def fill_synthetic(engine, prompt: int, chunk: int, seed: int) -> None:
                     packed_kv_write(packed, layer, kd, vd, pd, depth)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
@@ -409,33 +493,34 @@ def main() -> None:
     ap.add_argument("--reserve-gb", type=float, default=8.0, help="GiB kept for activations and scratch")
     ap.add_argument("--fill-chunk", type=int, default=4096, help="positions per packed write of the synthetic fill")
     ap.add_argument("--deadline", type=float, default=540)
-    ap.add_argument("--min-item-s", type=float, default=90, help="seconds an item needs left to start")
+    ap.add_argument("--min-item-s", type=float, default=90,
+                    help="seconds an item is estimated to need while nothing of its config has run")
     ap.add_argument("--margin-s", type=float, default=20, help="seconds kept free at the end of the timed runs")
     ap.add_argument("--plot", help="PNG of the results (benchmarks/plot_generate.py; needs matplotlib)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not device() == "cuda":
         args.min_item_s = min(args.min_item_s, 5)
         args.margin_s = min(args.margin_s, 2)
-
     if 2 * args.max_batch_new_tokens > args.max_batch_context:
         args.max_batch_new_tokens = max(2, args.max_batch_context // 8)
         print(f"--max-batch-new-tokens: at most half of --max-batch-context; using {args.max_batch_new_tokens}", flush=True)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     bench = Bench(args)
     names = list(bench.configs)
     shapes = [s for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
         parse_shape(s)
     record(NAME, {"kind": "start", "preset": args.preset, "args": vars(args), "inner": bench.inner,
-                  "weights_gb": bench.weight_bytes / 1e9})
-    work = [("generate", shapes[0], n) for n in names] if shapes else []
-    if args.max_batch:
-        work += [("max_batch", None, n) for n in names]
-    work += [("generate", s, n) for s in shapes[1:] for n in names]
-    for kind, shape, name in work:
-        if kind == "generate":
-            bench.guarded({"shape": shape, "config": name, "part": kind}, lambda: bench.generate(shape, name))
+                  "weights_gb": bench.weight_bytes / 1e9, "model_allocated_gb": bench.model_gb})
+    for part, shape, name in work_order(shapes, names, args.max_batch):
+        if part == "generate":
+            bench.generate(shape, name)
         else:
-            bench.guarded({"config": name, "part": kind, "context": args.max_batch_context}, lambda: bench.max_batch(name))
+            bench.max_batch(name)
     bench.summary()
     if args.plot:
         from plot_generate import plot, read_rows

@@ -66,10 +66,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopCon
     _reports.append(report)
     del _reports[:-16]
     compiler = _eager if inner == "eager" else _inductor
-    if report.cuts:
+    if manager.cuts:
         from flashloop_compile.passes.outline import outline_segments
 
-        top, report.segments = outline_segments(gm, report.cuts, compiler)
+        top, report.segments = outline_segments(gm, manager.cuts, compiler)
         log.info("%s", report)
         return top.forward
     from torch._guards import detect_fake_mode

@@ -1,14 +1,24 @@
 """The benchmark harness (benchmarks/common.py) on CPU: what it hands the backend and how it calls
 the result. Two harness bugs made GPU numbers wrong without failing: SymInt example inputs passed
 to the compiled function (a negative size at the first dynamic-shape call), and compiling with grad
-enabled (training graphs: saved activations and a copy of every mutated cache)."""
+enabled (training graphs: saved activations and a copy of every mutated cache).
 
+bench_generate.py: its work order and its items' memory bookkeeping. On the H200 its max-batch
+search ran between the shapes and every later item ran out of memory (memory was not released)."""
+
+import json
+import os
+import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_generate  # noqa: E402
+import common  # noqa: E402
 from common import capture_graph, compile_variant  # noqa: E402
 
 from flashloop_compile.models.ouro import OuroForCausalLM  # noqa: E402
@@ -44,3 +54,48 @@ def test_compile_variant_builds_inference_graphs_even_with_grad_enabled():
     out = fn(*inputs)  # grad enabled, as a benchmark's first call may be
     out = out[0] if isinstance(out, (tuple, list)) else out
     assert not out.requires_grad, "a segment was compiled as a training graph"
+
+
+def test_generate_work_order_runs_every_shape_before_the_max_batch_search():
+    assert bench_generate.work_order(["1x64+4", "2x64+4"], ["dense", "all_on"], max_batch=True) == [
+        ("generate", "1x64+4", "dense"), ("generate", "1x64+4", "all_on"),
+        ("generate", "2x64+4", "dense"), ("generate", "2x64+4", "all_on"),
+        ("max_batch", None, "dense"), ("max_batch", None, "all_on"),
+    ]
+    assert bench_generate.work_order(["1x64+4"], ["dense"], max_batch=False) == [("generate", "1x64+4", "dense")]
+
+
+def test_generate_item_out_of_memory_is_recorded_and_its_tensors_freed(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "OUT", tmp_path)
+    bench = bench_generate.Bench(bench_generate.parse_args(["--preset", "tiny", "--dtype", "float32"]))
+    held = []
+
+    def out_of_memory(row):
+        caches = torch.zeros(1024)
+        held.append(weakref.ref(caches))
+        row["fill_s"] = 0.5
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.75 GiB.")
+
+    attempt = bench.run_item({"kind": "max_batch", **bench.base("dense"), "batch": 30, "oom": False}, out_of_memory, 0.0, "test")
+    assert held[0]() is None, "the failed item's frame (its tensors) outlived it"
+    assert attempt["kind"] == "max_batch" and attempt["oom"] and "3.75 GiB" in attempt["error"]
+    assert attempt["fill_s"] == 0.5 and attempt["allocated_at_start_gb"] is None  # None: the CPU
+    generate = bench.run_item({"kind": "generate", **bench.base("dense"), "batch": 1}, out_of_memory, 0.0, "test")
+    assert generate["kind"] == "oom"  # plot_generate reads "generate" rows as complete
+    skipped = bench.run_item({"kind": "generate", **bench.base("dense"), "batch": 1}, None, 1e9, "test")
+    assert skipped["kind"] == "skipped" and "needs" in skipped["reason"]
+    rows = [json.loads(line) for line in (tmp_path / "generate.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["max_batch", "oom", "skipped"]
+
+
+def test_generate_bench_on_cpu_runs_the_shapes_then_the_max_batch_search(tmp_path):
+    args = ["--preset", "tiny", "--dtype", "float32", "--configs", "dense", "--shapes", "1x64+4,2x64+4",
+            "--max-batch-context", "128", "--max-batch-steps", "2"]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_generate.py"), *args], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "generate.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["start", "generate", "generate", "max_batch_accounting", "max_batch", "max_batch_next"]
+    items = [r for r in rows if r["kind"] not in ("start", "max_batch_accounting")]
+    assert all(r["allocated_at_start_gb"] is None and r["item_s"] > 0 for r in items)  # None: the CPU

@@ -132,18 +132,22 @@ class FlashLoopPass:
 
 @dataclass
 class RewriteReport:
-    structure: LoopStructure | None
+    """What one compile recognized and rewrote. It holds no graph nodes: the backend keeps recent
+    reports, and a node keeps its graph module alive, with the runtime buffers registered on it
+    (the packed KV cache: GiBs at long contexts, held past the engine that allocated it)."""
+
+    num_loops: int | None  # None: nothing recognized (all features off, no outlining)
+    num_layers: int | None
     phase: Phase | None
     matched: dict[str, int] = field(default_factory=dict)
-    cuts: list[fx.Node] = field(default_factory=list)  # layer boundaries, when outlining
     segments: dict[str, int] = field(default_factory=dict)  # outlined segments per compiled artifact
 
     def __str__(self) -> str:
-        if self.structure is None:
+        if self.num_loops is None:
             return "flashloop: all features off; graph handed to inductor untouched"
         counts = ", ".join(f"{k}={v}" for k, v in self.matched.items()) or "no feature applies"
         text = (
-            f"flashloop: {self.phase} graph, R={self.structure.num_loops} x N={self.structure.num_layers}; "
+            f"flashloop: {self.phase} graph, R={self.num_loops} x N={self.num_layers}; "
             f"matched {counts}"
         )
         if self.segments:
@@ -159,6 +163,7 @@ class PassManager:
 
         self.config = config
         self.passes = [p(config) for p in (passes if passes is not None else PASS_ORDER)]
+        self.cuts: list[fx.Node] = []  # the last run's layer boundaries, when outlining
 
     def uuid(self) -> str:
         h = hashlib.sha256(self.config.hash().encode())
@@ -168,31 +173,34 @@ class PassManager:
         return h.hexdigest()[:16]
 
     def run(self, gm: fx.GraphModule, example_inputs: list | None = None) -> RewriteReport:
+        """Rewrite ``gm`` in place and report what matched; with outlining, :attr:`cuts` are then
+        its layer boundaries (nodes of ``gm``: kept here, not in the report)."""
         outline = self.config.compilation.outline_layers
+        self.cuts = []
         if not self.config.any_enabled and not outline:
-            return RewriteReport(None, None)
+            return RewriteReport(None, None, None)
         structure = recognize(gm)
         self.config.resolve(structure.num_loops, forward_loops=structure.num_loops)
         phase = graph_phase(structure)
         active = [p for p in self.passes if p.enabled and p.applies_to(structure)]
         for p in active:
             p.check(structure)
-        report = RewriteReport(structure, phase)
+        report = RewriteReport(structure.num_loops, structure.num_layers, phase)
         context = PassContext(gm, example_inputs)
         for p in active:
             p.context = context
         if outline:
             from flashloop_compile.passes.outline import layer_cuts
 
-            report.cuts = layer_cuts(structure)
+            self.cuts = layer_cuts(structure)
         for p in active:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("graph before %s:\n%s", p.name, gm.code)
             report.matched[p.name] = p.apply(gm, structure)
-            report.cuts = [context.follow(c) for c in report.cuts]
+            self.cuts = [context.follow(c) for c in self.cuts]
             gm.graph.eliminate_dead_code(is_impure_node=_impure)
-            if report.cuts:
-                report.cuts = _prologue_cut(gm, report.cuts, structure, context)
+            if self.cuts:
+                self.cuts = _prologue_cut(gm, self.cuts, structure, context)
             gm.graph.lint()
             gm.recompile()
             propagate_fake_values(gm)

@@ -4,7 +4,9 @@ capture forwards that leave live requests alone (the CUDA-graph checks: tests/gp
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -149,3 +151,18 @@ def test_decode_graph_false_runs_the_compiled_model_without_a_graph():
     with pytest.raises(RuntimeError, match="capture"):
         eng.decode(tok, pos)  # the default path takes the bucket's graph: 3 rows -> bucket 4
     assert captured == [4]
+
+
+def test_caches_are_freed_with_their_engine_and_its_compiled_code():
+    # the backend keeps its recent rewrite reports: reports holding graph nodes kept the graph
+    # modules alive, and with them the packed cache registered on each (GiBs past its engine)
+    model = tiny()
+    eng = _engine(model, FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32}), max_seq=256)
+    eng.generate(PROMPTS[:2], 3)
+    caches = [weakref.ref(t) for t in eng.state_tensors().values()]
+    assert any(name.startswith("packed") for name in eng.state_tensors())
+    del eng
+    torch._dynamo.reset()
+    model.clear_caches()
+    gc.collect()
+    assert all(ref() is None for ref in caches), "a cache outlived its engine and its compiled code"
