@@ -334,13 +334,15 @@ class Bench:
         a, cfg, mcfg = self.args, self.configs[name], self.model.config
         context, new = a.max_batch_context, a.max_batch_new_tokens
         budget, reserve = self.budget()
-        per_slot = kv_memory(mcfg, cfg, 1, context, max_new_tokens=new).bytes  # BF16 KV, as max_batch_for counts
+        one = kv_memory(mcfg, cfg, 1, context, max_new_tokens=new)
+        per_slot = one.bytes + one.scratch  # KV and decode scratch, as max_batch_for counts
         accounted = max_batch_for(mcfg, cfg, context, budget, weight_bytes=self.weight_bytes, max_new_tokens=new,
                                   reserve_bytes=reserve)
         what = {**self.base(name), "part": "max_batch", "context": context, "new_tokens": new}
         record(NAME, {
             "kind": "max_batch_accounting", **what, "max_batch": accounted, "budget_gib": budget / GIB,
-            "reserve_gib": reserve / GIB, "weights_gib": self.weight_bytes / GIB, "kv_per_slot_gib": per_slot / GIB,
+            "reserve_gib": reserve / GIB, "weights_gib": self.weight_bytes / GIB, "kv_per_slot_gib": one.bytes / GIB,
+            "scratch_per_slot_gib": one.scratch / GIB,
             "need_next_gib": (self.weight_bytes + reserve + (accounted + 1) * per_slot) / GIB,
         })
         if accounted < 1:

@@ -128,13 +128,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
                "all_on": FlashLoopConfig.all_on()}
     if args.options:
         configs["options"] = _config(args, default_all_on=True)
-    print(f"{'config':>8} {'KV/request GiB':>15} {'ratio':>6} {'max batch':>10}   (context {args.context}, "
+    print(f"{'config':>8} {'KV/request GiB':>15} {'ratio':>6} {'max batch':>10} {'scratch/request GiB':>20}   (context {args.context}, "
           f"{args.new_tokens} new tokens, budget {args.budget_gb} GiB, BF16 weights {weights / 2**30:.2f} GiB)")
     for name, cfg in configs.items():
         km = kv_memory(mcfg, cfg, 1, args.context, max_new_tokens=args.new_tokens)
         mb = max_batch_for(mcfg, cfg, args.context, budget, weight_bytes=weights, max_new_tokens=args.new_tokens,
                            reserve_bytes=args.reserve_gb * 2**30)
-        print(f"{name:>8} {km.bytes / 2**30:>15.3f} {km.ratio:>6.2f} {mb:>10}")
+        print(f"{name:>8} {km.bytes / 2**30:>15.3f} {km.ratio:>6.2f} {mb:>10} {km.scratch / 2**30:>20.3f}")
     return 0
 
 

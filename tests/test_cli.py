@@ -8,7 +8,9 @@ import re
 import pytest
 
 from flashloop_compile.cli import main
-from flashloop_compile.config import ConfigError
+from flashloop_compile.config import ConfigError, FlashLoopConfig
+from flashloop_compile.models.ouro import PRESETS
+from flashloop_compile.runtime.memory import kv_memory, max_batch_for
 
 ARGS = ["generate", "--preset", "tiny", "--prompt-len", "140", "--new-tokens", "4"]
 
@@ -60,6 +62,20 @@ def test_memory_reports_ratios_and_max_batch(capsys):
     assert float(rows["dense"][1]) == 24.0  # 2 x 4 loops x 24 layers x 16 heads x 32768 x 128 x 2 bytes
     assert float(rows["quant"][2]) > 3.4 and float(rows["all_on"][2]) > float(rows["quant"][2])
     assert int(rows["all_on"][3]) > int(rows["dense"][3])
+    assert float(rows["dense"][4]) == 0.0 and float(rows["all_on"][4]) > 0.2  # decode scratch per request
+
+
+def test_capacity_planning_counts_decode_scratch_per_slot():
+    # sparse decode + quantization reads a layer's whole history into BF16 K/V per step (and
+    # writes an FP32 probability row per query head): on the H200 that, not the cache, ran out
+    model = PRESETS["ouro-1.4b"]
+    one = kv_memory(model, FlashLoopConfig.all_on(), 1, 33024, max_new_tokens=256)
+    assert one.scratch == 16 * 33024 * 4 + 2 * 16 * 33024 * 128 * 2
+    assert kv_memory(model, FlashLoopConfig(), 1, 33024).scratch == 0
+    budget = 3 * 2**30 + 10 * (one.bytes + one.scratch)
+    plan = dict(weight_bytes=3 * 2**30, max_new_tokens=256)
+    assert max_batch_for(model, FlashLoopConfig.all_on(), 33024, budget, **plan) == 10
+    assert max_batch_for(model, FlashLoopConfig.all_on(), 33024, budget - 1, **plan) == 9
 
 
 def test_bench_grid_writes_json(tmp_path, capsys):

@@ -18,7 +18,7 @@ import torch
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.models.ouro import OuroConfig
 
-__all__ = ["KVMemory", "residual_capacity", "kv_memory", "max_batch_for"]
+__all__ = ["KVMemory", "residual_capacity", "kv_memory", "decode_scratch_bytes", "max_batch_for"]
 
 
 def residual_capacity(config: FlashLoopConfig, num_loops: int, max_seq: int, max_new_tokens: int | None) -> list[int]:
@@ -38,6 +38,7 @@ def residual_capacity(config: FlashLoopConfig, num_loops: int, max_seq: int, max
 class KVMemory:
     dense_bytes: int  # the BF16 cache of max_batch x max_seq x R loops x N layers
     packed: dict[str, float] | None  # the packed cache's breakdown (payload, params, maps, tails, total)
+    scratch: int = 0  # decode's largest working buffers besides the cache (decode_scratch_bytes); not in the ratio
 
     @property
     def bytes(self) -> int:
@@ -56,6 +57,8 @@ class KVMemory:
                 f"{p['params'] / 2**30:.2f}, maps {p['maps'] / 2**20:.1f} MiB, tails {p['tails'] / 2**20:.1f} MiB); "
                 f"{self.ratio:.2f}x smaller"
             )
+        if self.scratch:
+            out.append(f"decode scratch (one layer's working buffers, not cache): {self.scratch / 2**20:.1f} MiB")
         return out
 
 
@@ -76,15 +79,34 @@ def kv_memory(
             residual_capacity=residual_capacity(config, model.num_loops, max_seq, max_new_tokens),
         )
         packed = cache.nbytes().as_dict()
-    return KVMemory(dense, packed)
+    return KVMemory(dense, packed, decode_scratch_bytes(model, config, max_batch, max_seq, dtype=dtype))
+
+
+def decode_scratch_bytes(
+    model: OuroConfig, config: FlashLoopConfig, max_batch: int, max_seq: int, *, dtype: torch.dtype = torch.bfloat16,
+) -> int:
+    """The working buffers a decode step allocates besides the cache that grow with the context,
+    for one layer (the layers run one after another, so one layer's are live at a time): sparse
+    decode's reference writes an FP32 probability row per query head; with quantization it also
+    reads the layer's whole history into BF16 K and V (``flashloop.packed_read``). Dense decode
+    attends in place. Capacity planning adds this per slot: at 32K context it is 0.25 GiB per
+    request next to 4.24 GiB of packed cache (all features on, ouro-1.4b), and was what the
+    first max-batch run on the H200 ran out of."""
+    if not config.sparse_decode_attention.enabled:
+        return 0
+    scratch = max_batch * model.num_attention_heads * max_seq * 4
+    if config.kv_residual_quantization.enabled:
+        scratch += 2 * max_batch * model.num_key_value_heads * max_seq * model.head_dim * (torch.finfo(dtype).bits // 8)
+    return scratch
 
 
 def max_batch_for(
     model: OuroConfig, config: FlashLoopConfig, context: int, budget_bytes: float, *, weight_bytes: float,
     max_new_tokens: int | None = None, reserve_bytes: float = 0.0,
 ) -> int:
-    """The largest batch whose KV (dense or packed, by config) fits the budget next to the
-    weights and a reserve for activations and scratch."""
+    """The largest batch whose KV (dense or packed, by config) and decode scratch fit the budget
+    next to the weights and a reserve for activations."""
     free = budget_bytes - weight_bytes - reserve_bytes
-    per_slot = kv_memory(model, config, 1, context, max_new_tokens=max_new_tokens).bytes
+    one = kv_memory(model, config, 1, context, max_new_tokens=max_new_tokens)
+    per_slot = one.bytes + one.scratch
     return max(0, int(free // per_slot))
