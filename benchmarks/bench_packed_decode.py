@@ -135,24 +135,23 @@ def stats(times: list[float]) -> dict:
     return {"median_ms": statistics.median(times), "p10_ms": qs[0], "p90_ms": qs[-1], "n": len(times)}
 
 
-SWEEP = [  # (name, launcher kwargs): the generic path, then fast-path launch parameters
+SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's launch parameters
     ("generic", {"fast": False, "tuning": {"enabled": False}}),
-    *[(f"fast bn{bn} w{w} s{st} x{wv}", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}})
-      for bn in (32, 64) for w in (4, 8) for st in (1, 3) for wv in (2, 4)],
-    # the untimed code variants at the current defaults (kernels/packed_kv.py FAST_DECODE)
-    *[(f"fast defaults{' dyn-depth' if dd else ''}{' bcast-v' if bv else ''}",
-       {"tuning": {"dynamic_depth": dd, "broadcast_v_params": bv}})
-      for dd in (False, True) for bv in (False, True)],
-    # the separate bulk kernel (FAST_DECODE "bulk_kernel"), at the points scripts/kernel_report.py
-    # picks: no spills, 8-16 resident warps per SM, cp.async pipelining with stages 2 (rNNN: maxnreg)
-    *[(f"fast bulk bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
-       {"tuning": {"bulk_kernel": True, "block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv}})
-      for bn, w, st, mr, wv in ((16, 4, 1, None, 4), (16, 4, 2, None, 4), (16, 4, 2, 128, 4), (16, 4, 2, 128, 8), (16, 4, 3, 128, 4),
-                                (16, 8, 2, None, 4), (32, 4, 2, None, 4), (32, 8, 1, None, 4))],
-    # packed_read of the whole history (sparse decode's loop-2 reference under quantization),
-    # generic vs PACKED_READ "bulk"; not attention variants (the suite's best pick skips them)
-    ("read whole history generic", {"read": True, "bulk": False}),
-    ("read whole history bulk", {"read": True, "bulk": True}),
+    # _decode_bulk_kernel at the points scripts/kernel_report.py picks: no spills, 8-16 resident
+    # warps per SM, cp.async pipelining with stages 2-3 (rNNN: maxnreg); session 5's best: bn32 w4 s2 x4
+    *[(f"fast bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
+       {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv}})
+      for bn, w, st, mr, wv in ((16, 4, 2, None, 4), (16, 4, 3, 128, 4), (32, 4, 1, None, 4), (32, 4, 2, None, 4),
+                                (32, 4, 2, None, 2), (32, 4, 3, None, 4), (32, 4, 2, 128, 4), (64, 4, 2, None, 4))],
+    # the code-domain variant (FAST_DECODE "linear"): 26-43% fewer loop instructions at stages 2
+    *[(f"fast linear bn{bn} w4 s{st} x4", {"tuning": {"block_n": bn, "num_stages": st, "linear": True}})
+      for bn, st in ((16, 2), (32, 2), (32, 3))],
+    # packed_read (sparse decode under quantization), generic vs PACKED_READ "bulk": the whole
+    # history (loop 2's reference) and 10% scattered keys per head (a correction's selection, sorted
+    # as the top-k positions are not: order does not matter to either kernel); not attention
+    # variants (the suite's best pick skips them)
+    *[(f"read {what} {kernel}", {"read": what, "bulk": kernel == "bulk"})
+      for what in ("whole history", "selected keys") for kernel in ("generic", "bulk")],
 ]
 
 
@@ -171,25 +170,28 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                 kd, vd, pd = step[depth]
                 ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
                 nbytes = packed_bytes(cache, B, S - 1, depth)
-                history = torch.arange(S - 1, device="cuda")[None].expand(B, -1)
-                read_ref = []  # the ATen read of the history, once per depth, for the read variants
+                n_sel = -(-(S - 1) // 10)
+                reads = {"whole history": torch.arange(S - 1, device="cuda")[None].expand(B, -1),
+                         "selected keys": torch.rand(B, H, S - 1, device="cuda", generator=g).topk(n_sel, -1).indices}
+                read_ref = {}  # the ATen read of each position set, once per depth
                 for name, kw in [(n, kw) for n, kw in SWEEP if any(v in n for v in args.variants.split("|"))]:
                     read = kw.get("read", False)
-                    out_k = torch.empty(B, H, S - 1, D, device="cuda", dtype=DT) if read else None
+                    n_read = reads[read].shape[-1] if read else 0
+                    out_k = torch.empty(B, H, n_read, D, device="cuda", dtype=DT) if read else None
                     out_v = torch.empty_like(out_k) if read else None
 
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v):
                         if kw.get("read"):
-                            K.launch_packed_read(tensors, history, depth, out_k, out_v, bulk=kw["bulk"])
+                            K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
                         out = torch.empty_like(q)
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out
                     try:
                         if read:
-                            if not read_ref:
-                                read_ref.extend(P.packed_read_aten(*tensors, history, depth))
-                            ka, va = read_ref
+                            if read not in read_ref:
+                                read_ref[read] = P.packed_read_aten(*tensors, reads[read], depth, *P.no_inflight(cache, B, q.device))
+                            ka, va = read_ref[read]
                             kk, vk = fn()
                             assert torch.equal(ka, kk) and torch.equal(va, vk), "read differs from the ATen body"
                         else:
@@ -199,7 +201,9 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "error": str(e)[:300]})
                         print(f"B={B} S={S} depth={depth} {name}: {str(e)[:120]}", flush=True)
                         continue
-                    moved = nbytes + (2 * B * H * (S - 1) * D * 2 if read else 0)  # + the BF16 K/V a read writes
+                    # a read: its share of the packed bytes (scattered keys: a lower bound, the K
+                    # parameters are per 64-token block) + the BF16 K/V it writes
+                    moved = nbytes * n_read // (S - 1) + 2 * B * H * n_read * D * 2 if read else nbytes
                     rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
                                  "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": "read" if read else "attention"})
                     print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {moved / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)

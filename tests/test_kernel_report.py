@@ -16,11 +16,11 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
 def test_decode_bulk_kernel_fits_sixteen_warps_per_sm_without_spills():
-    # The fused fast path spills (255 registers, 8 warps per SM: the latency-bound decode of
-    # session 4); the separate bulk kernel at 16-key tiles is designed to 128 registers.
+    # The fused fast path it replaced spilled (255 registers, 8 warps per SM: the latency-bound
+    # decode of session 4); the separate bulk kernel at 16-key tiles is designed to 128 registers.
     run = subprocess.run(
         [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json",
-         "--tuning", json.dumps({"bulk_kernel": True, "block_n": 16})],
+         "--tuning", json.dumps({"block_n": 16, "num_stages": 1})],
         cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-2000:]
@@ -42,7 +42,7 @@ def test_maxnreg_reaches_the_bulk_kernel_through_its_pinned_config():
     # autotuner. At depth 3 with two pipeline stages the kernel would take 161 registers.
     run = subprocess.run(
         [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json", "--depth", "3",
-         "--tuning", json.dumps({"bulk_kernel": True, "block_n": 16, "num_stages": 2, "maxnreg": 128})],
+         "--tuning", json.dumps({"block_n": 16, "num_stages": 2, "maxnreg": 128})],
         cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-2000:]

@@ -22,9 +22,13 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   reconstruction of depth d-1, in compact rows allocated from row_count (block-local K groups
   over the active rows, V per row); rows[d][pos] = row. Tokens at or past the new boundary go to
   the ring slot pos % 2G of depth d.
-- ``packed_read(<cache>, positions [B,P], depth) -> (k, v)`` [B,H,P,D] compute dtype: what a
-  reader sees; e = min(depth, depth_count[p] - 1); p < flushed[e]: base + the residuals of depths
-  1..e present in rows; otherwise the ring at depth e. Unwritten or -1 positions read as 0.
+- ``packed_read(<cache>, positions [B,P], depth, inflight_positions [B,Ti], k_inflight
+  [B,H,Ti,D], v_inflight) -> (k, v)`` [B,H,P,D] compute dtype: what a reader sees; e = min(depth,
+  depth_count[p] - 1); p < flushed[e]: base + the residuals of depths 1..e present in rows;
+  otherwise the ring at depth e. Unwritten or -1 positions read as 0. A position equal to one of
+  the row's in-flight positions (>= 0: this step's tokens, not yet written at ``depth``) reads
+  that token's in-flight K/V exactly, as ``packed_attention`` sees it (Ti = 0: none). Positions
+  may also be [B,H,P] (each kv head its own: the keys sparse decode selected).
 - ``packed_attention(q [B,Hq,T,D], k_inflight [B,H,Ti,D], v_inflight, q_positions [B,T],
   inflight_positions [B,Ti], depth, <cache>, scale) -> out [B,Hq,T,D]``: causal attention (key
   position <= query position) over the stored keys at positions < P0 (P0 = first valid in-flight
@@ -52,6 +56,8 @@ __all__ = [
     "packed_kv_write",
     "packed_read",
     "packed_attention",
+    "no_inflight",
+    "overlay_inflight",
     "packed_kv_write_aten",
     "packed_read_aten",
     "packed_attention_aten",
@@ -145,9 +151,15 @@ def _write_fake(*args):
 
 
 def _read_fake(*args):
-    *cache, positions, depth = args
+    *cache, positions, depth, inflight_positions, k_inflight, v_inflight = args
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     _check_depth(depth, R)
+    cdt, dev = cache[12].dtype, cache[0].device
+    _check_tokens("k_inflight", k_inflight, B, H, D, cdt, dev)
+    _check_tokens("v_inflight", v_inflight, B, H, D, cdt, dev)
+    torch._check(k_inflight.shape == v_inflight.shape, lambda: "k_inflight and v_inflight shapes differ")
+    torch._check(k_inflight.shape[0] == positions.shape[0], lambda: "positions and k_inflight batch differ")
+    _check_positions("inflight_positions", inflight_positions, positions.shape[0], k_inflight.shape[2])
     torch._check(
         positions.dim() in (2, 3) and positions.dtype == torch.int64,
         lambda: "positions must be int64 [B, P] (all heads) or [B, H, P] (per kv head)",
@@ -308,7 +320,7 @@ def packed_kv_write_aten(*args) -> None:
 
 def packed_read_aten(*args) -> tuple[Tensor, Tensor]:
     """ATen body of ``flashloop::packed_read`` (same arguments)."""
-    *cache, positions, depth = args
+    *cache, positions, depth, inflight_positions, k_inflight, v_inflight = args
     c = _Cache(cache)
     cdt = c.k_tail.dtype
     Bc, P = positions.shape[0], positions.shape[-1]
@@ -322,7 +334,22 @@ def packed_read_aten(*args) -> tuple[Tensor, Tensor]:
             k, v, _ = _reconstruct(c, b, pos.clamp(0, c.S - 1), depth)
             out_k[b, h] = torch.where(ok[None, :, None], k, 0.0).to(cdt)[h]
             out_v[b, h] = torch.where(ok[None, :, None], v, 0.0).to(cdt)[h]
-    return out_k, out_v
+    return (overlay_inflight(out_k, positions, inflight_positions, k_inflight),
+            overlay_inflight(out_v, positions, inflight_positions, v_inflight))
+
+
+def overlay_inflight(stored: Tensor, positions: Tensor, inflight_positions: Tensor, rows: Tensor) -> Tensor:
+    """stored [B, H, P, D] read at positions [B, P] or [B, H, P], with every entry at one of this
+    step's positions (inflight_positions [B, T], -1 = padding) replaced by that token's row of
+    rows [B, H, T, D]: what ``packed_read`` returns for a step's own tokens."""
+    if inflight_positions.shape[1] == 0:
+        return stored
+    sel = positions if positions.dim() == 3 else positions[:, None].expand(-1, stored.shape[1], -1)
+    live = (inflight_positions >= 0)[:, None, None, :]
+    match = (sel[..., None] == inflight_positions[:, None, None, :]) & live  # [B, H, P, T]
+    src = match.to(torch.int32).argmax(-1, keepdim=True)
+    inflight = torch.gather(rows, 2, src.expand(-1, -1, -1, rows.shape[-1]))
+    return torch.where(match.any(-1, keepdim=True), inflight.to(stored.dtype), stored)
 
 
 def packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *rest) -> Tensor:
@@ -387,16 +414,17 @@ def _packed_read(
     k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
     k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
     rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
-    positions: T_, depth: int,
+    positions: T_, depth: int, inflight_positions: T_, k_inflight: T_, v_inflight: T_,
 ) -> tuple[Tensor, Tensor]:
     cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
              v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    inflight = (inflight_positions, k_inflight, v_inflight)
     if positions.device.type != "cuda":
-        return torch.ops.flashloop.packed_read_aten(*cache, positions, depth)
+        return torch.ops.flashloop.packed_read_aten(*cache, positions, depth, *inflight)
     shape = (positions.shape[0], k_base.shape[1], positions.shape[-1], 2 * k_base.shape[3])
     out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
-    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, wrap=torch.library.wrap_triton)
+    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=torch.library.wrap_triton)
     return out_k, out_v
 
 
@@ -456,10 +484,22 @@ def packed_kv_write(cache: PackedKVCache, layer: int, k: Tensor, v: Tensor, posi
     torch.ops.flashloop.packed_kv_write(*cache.op_tensors(layer), k, v, positions, int(depth))
 
 
-def packed_read(cache: PackedKVCache, layer: int, positions: Tensor, depth: int) -> tuple[Tensor, Tensor]:
+def packed_read(
+    cache: PackedKVCache, layer: int, positions: Tensor, depth: int,
+    inflight: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """Logical (k, v) [B, H, P, D] at ``depth`` of positions [B, P] (every head) or [B, H, P] (each
-    kv head its own positions: the keys sparse decode selected). Positions outside 0..S-1 read 0."""
-    return torch.ops.flashloop.packed_read(*cache.op_tensors(layer), positions, int(depth))
+    kv head its own positions: the keys sparse decode selected). Positions outside 0..S-1 read 0.
+    ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v) of this step's tokens, read exactly."""
+    if inflight is None:
+        inflight = no_inflight(cache, positions.shape[0], positions.device)
+    return torch.ops.flashloop.packed_read(*cache.op_tensors(layer), positions, int(depth), *inflight)
+
+
+def no_inflight(cache: PackedKVCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty in-flight arguments (Ti = 0) for a packed_read of stored tokens only."""
+    rows = torch.empty(batch, cache.kv_heads, 0, cache.head_dim, dtype=cache.dtype, device=device)
+    return torch.empty(batch, 0, dtype=torch.long, device=device), rows, rows.clone()
 
 
 def packed_attention(

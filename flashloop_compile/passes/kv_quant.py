@@ -10,9 +10,10 @@ At each attention site (loop d, layer i) with an in-place cache:
 - the sparse-decode ops take K/V tensors: loop 2's reference (which attends to every key) gets
   the whole history from ``flashloop.packed_read``; a correction at loops 3..R reads only the keys
   its reference selected, per kv head (``packed_read`` of [B, Hkv, P] positions, P = query heads
-  per kv head x query rows x key capacity), and indexes that compact read. Either way the step's
-  own tokens are replaced by their exact in-flight K/V. (Reading the packed tiles inside the
-  reference kernel itself is future work.)
+  per kv head x query rows x key capacity), and indexes that compact read. Either way the read
+  returns the step's own tokens as their exact in-flight K/V (its in-flight arguments: no merge
+  after the read, no copy of the whole history). (Reading the packed tiles inside the reference
+  kernel itself is future work.)
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
 in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
@@ -37,7 +38,7 @@ from flashloop_compile.passes.sparse_decode import site_scale
 
 __all__ = [
     "KVResidualQuantizationPass", "mask_positions", "scatter_tokens", "full_positions",
-    "selected_positions", "local_keys", "merge_inflight",
+    "selected_positions", "local_keys",
 ]
 
 
@@ -75,27 +76,6 @@ def local_keys(keys: torch.Tensor, kv_heads: int) -> torch.Tensor:
     group = hq // kv_heads
     idx = torch.arange(group * t * k, dtype=torch.int32, device=keys.device).view(group, t, k)
     return idx.repeat(kv_heads, 1, 1)[None].expand(b, -1, -1, -1)
-
-
-def merge_inflight(
-    stored: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
-) -> torch.Tensor:
-    """stored [B, H, P, D] read at selected [B, H, P], with every entry at the position of one of
-    this step's tokens (positions [B, T], -1 = padding) replaced by its in-flight row rows [B, H, T, D]."""
-    live = (positions >= 0)[:, None, None, :]
-    match = (selected[..., None] == positions[:, None, None, :]) & live  # [B, H, P, T]
-    src = match.to(torch.int32).argmax(-1, keepdim=True)
-    inflight = torch.gather(rows, 2, src.expand(-1, -1, -1, rows.shape[-1]))
-    return torch.where(match.any(-1, keepdim=True), inflight.to(stored.dtype), stored)
-
-
-def _scatter_positions(dense: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """dense [B, H, S, D] with the tokens at positions [B, T] (>= 0) replaced by rows [B, H, T, D]."""
-    safe = positions.clamp_min(0)
-    keep = (positions >= 0)[:, None, :, None]
-    current = torch.gather(dense, 2, safe[:, None, :, None].expand(-1, dense.shape[1], -1, dense.shape[3]))
-    merged = torch.where(keep, rows.to(dense.dtype), current)
-    return torch.scatter(dense, 2, safe[:, None, :, None].expand(-1, dense.shape[1], -1, dense.shape[3]), merged)
 
 
 class KVResidualQuantizationPass(FlashLoopPass):
@@ -179,11 +159,11 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 kv_heads = shape_of(k_in)[1]
                 with graph.inserting_before(consumer):
                     sel = graph.call_function(selected_positions, (keys, count, kv_heads))
-                    read = graph.call_function(torch.ops.flashloop.packed_read.default, cache_args + (sel, d))
-                    k_read = graph.call_function(operator.getitem, (read, 0))
-                    v_read = graph.call_function(operator.getitem, (read, 1))
-                    k_sel = graph.call_function(merge_inflight, (k_read, sel, all_pos, k_in))
-                    v_sel = graph.call_function(merge_inflight, (v_read, sel, all_pos, v_in))
+                    read = graph.call_function(
+                        torch.ops.flashloop.packed_read.default, cache_args + (sel, d, all_pos, k_in, v_in)
+                    )
+                    k_sel = graph.call_function(operator.getitem, (read, 0))
+                    v_sel = graph.call_function(operator.getitem, (read, 1))
                     local = graph.call_function(local_keys, (keys, kv_heads))
                 args = list(consumer.args)
                 args[1], args[2], args[3] = k_sel, v_sel, local
@@ -192,11 +172,11 @@ class KVResidualQuantizationPass(FlashLoopPass):
             elif name == "flashloop.reference_attention":
                 with graph.inserting_before(consumer):
                     grid = graph.call_function(full_positions, (all_pos, max_seq))
-                    read = graph.call_function(torch.ops.flashloop.packed_read.default, cache_args + (grid, d))
-                    k_stored = graph.call_function(operator.getitem, (read, 0))
-                    v_stored = graph.call_function(operator.getitem, (read, 1))
-                    k_full = graph.call_function(_scatter_positions, (k_stored, all_pos, k_in))
-                    v_full = graph.call_function(_scatter_positions, (v_stored, all_pos, v_in))
+                    read = graph.call_function(
+                        torch.ops.flashloop.packed_read.default, cache_args + (grid, d, all_pos, k_in, v_in)
+                    )
+                    k_full = graph.call_function(operator.getitem, (read, 0))
+                    v_full = graph.call_function(operator.getitem, (read, 1))
                 args = list(consumer.args)
                 args[1], args[2] = k_full, v_full
                 consumer.args = tuple(args)

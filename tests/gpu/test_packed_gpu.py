@@ -104,13 +104,26 @@ def test_write_and_attention_match_aten(B, S, lengths):
     from flashloop_compile.lowering.kernels import packed_kv as K
 
     for d in range(R):
-        ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d)
+        ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d, *P.no_inflight(ca, B, pos.device))
         kk, vk = P.packed_read(ck, 0, pos, d)
         assert torch.equal(ka, kk) and torch.equal(va, vk)
-        # the opt-in bulk read (PACKED_READ["bulk"]) writes the same values
-        bk, bv = torch.empty_like(kk), torch.empty_like(vk)
-        K.launch_packed_read(ck.op_tensors(0), pos, d, bk, bv, bulk=True)
-        assert torch.equal(ka, bk) and torch.equal(va, bv), f"bulk read, depth {d}"
+        # the generic read alone (PACKED_READ["bulk"] off) writes the same values
+        gk, gv = torch.empty_like(kk), torch.empty_like(vk)
+        K.launch_packed_read(ck.op_tensors(0), pos, d, gk, gv, bulk=False)
+        assert torch.equal(ka, gk) and torch.equal(va, gv), f"generic read, depth {d}"
+        # scattered per-head positions (a correction's selected keys): bulk tiles and the rest
+        sel = torch.randint(-1, max(starts), (B, H, 600), device="cuda")
+        ka, va = P.packed_read_aten(*ca.op_tensors(0), sel, d, *P.no_inflight(ca, B, sel.device))
+        kk, vk = P.packed_read(ck, 0, sel, d)
+        assert torch.equal(ka, kk) and torch.equal(va, vk), f"selected keys, depth {d}"
+        # with this step's token in flight (one past each row's end), selected by every head
+        ip = torch.tensor(starts, device="cuda")[:, None]
+        sel[:, :, 0] = ip
+        flight = (ip, torch.randn(B, H, 1, D, device="cuda").to(DT), torch.randn(B, H, 1, D, device="cuda").to(DT))
+        ka, va = P.packed_read_aten(*ca.op_tensors(0), sel, d, *flight)
+        kk, vk = P.packed_read(ck, 0, sel, d, inflight=flight)
+        assert torch.equal(ka, kk) and torch.equal(va, vk), f"selected keys in flight, depth {d}"
+        assert torch.equal(kk[:, :, 0], flight[1][:, :, 0])
 
 
 def test_prefill_chunk_attention_matches_aten():
@@ -176,8 +189,8 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("fast_decode", [{}, {"bulk_kernel": True, "block_n": 16, "num_stages": 2, "maxnreg": 128}],
-                         ids=["defaults", "bulk_kernel_maxnreg"])
+@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2, "maxnreg": 128}],
+                         ids=["defaults", "bn16_maxnreg"])
 def test_torch_compile_fullgraph(fast_decode, monkeypatch):
     # the bulk kernel with maxnreg launches through a one-config autotuner under wrap_triton
     from flashloop_compile.lowering.kernels import packed_kv as K

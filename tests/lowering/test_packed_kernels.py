@@ -76,10 +76,8 @@ def test_write_read_attention_match_aten(dtype):
                 ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
                 q1 = torch.randn(pos.shape[0], H, 1, D, generator=g).to(dtype)
                 ref1 = P.packed_attention_aten(q1, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
-                variants = (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 32}),
-                            dict(tuning={"dynamic_depth": False}), dict(tuning={"broadcast_v_params": True}),
-                            dict(num_splits=2, tuning={"dynamic_depth": True, "broadcast_v_params": True}),
-                            dict(tuning={"bulk_kernel": True}), dict(num_splits=2, tuning={"bulk_kernel": True, "dynamic_depth": False}))
+                variants = (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 16}),
+                            dict(num_splits=2, tuning={"num_stages": 1}))
                 for kw in variants:
                     out = attention_kernel(ck, 0, q1, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref1.float(), atol=tol, rtol=tol)
@@ -89,26 +87,26 @@ def test_write_read_attention_match_aten(dtype):
         if f in (1, len(forwards) - 1):
             pos = _positions(lengths)
             for d in range(R):
-                ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d)
+                ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d, *P.no_inflight(ca, pos.shape[0], pos.device))
                 kk, vk = read_kernel(ck, 0, pos, d)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d)
                 # the bulk read (runs of consecutive positions below the flushed boundaries; the
                 # ragged rows' padding, the ring and a shifted run go to the generic kernel)
                 for shift in (0, 5):
                     run = torch.where(pos >= 0, pos + shift, pos)
-                    ka, va = P.packed_read_aten(*ca.op_tensors(0), run, d)
+                    ka, va = P.packed_read_aten(*ca.op_tensors(0), run, d, *P.no_inflight(ca, run.shape[0], run.device))
                     kk, vk = read_kernel(ck, 0, run, d, bulk=True, block_p=16)
                     assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "bulk", shift)
                 # per-head positions (sparse decode's selected keys): out of order, repeated,
                 # unwritten and -1 entries; each head equals the shared read of its positions
                 sel = torch.randint(-1, max(lengths) + 3, (pos.shape[0], H, 37), generator=g)
-                ka, va = P.packed_read_aten(*ca.op_tensors(0), sel, d)
+                ka, va = P.packed_read_aten(*ca.op_tensors(0), sel, d, *P.no_inflight(ca, sel.shape[0], sel.device))
                 kk, vk = read_kernel(ck, 0, sel, d)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head")
                 kk, vk = read_kernel(ck, 0, sel, d, bulk=True, block_p=16)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head, bulk")
                 for h in range(H):
-                    ks, vs = P.packed_read_aten(*ca.op_tensors(0), sel[:, h].contiguous(), d)
+                    ks, vs = P.packed_read_aten(*ca.op_tensors(0), sel[:, h].contiguous(), d, *P.no_inflight(ca, sel.shape[0], sel.device))
                     assert torch.equal(ka[:, h], ks[:, h]) and torch.equal(va[:, h], vs[:, h]), (f, d, h)
 
 
@@ -177,9 +175,7 @@ def test_overflow_matches_aten():
     assert ck.overflow.item() == 1
 
 
-@pytest.mark.parametrize("tuning", [{}, {"dynamic_depth": False}, {"broadcast_v_params": True}, {"bulk_kernel": True},
-                                    {"dynamic_depth": True, "broadcast_v_params": True}],
-                         ids=["defaults", "static_depth", "bcast_v", "bulk_kernel", "dyn_depth_bcast_v"])
+@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "num_stages": 1}], ids=["defaults", "bn16_stages1"])
 def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
     # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
     # 1-2 on a nested subset (absent rows inherit), one decode token at each depth
@@ -188,7 +184,7 @@ def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
 
 def test_decode_bulk_kernel_with_four_v_groups_per_row():
     # group 32 at head_dim 128: the bulk kernel's general (reshape) broadcast of V parameters
-    _fast_decode_case({"bulk_kernel": True, "block_n": 16}, group=32)
+    _fast_decode_case({"block_n": 16}, group=32)
 
 
 def _fast_decode_case(tuning, group):
@@ -211,3 +207,76 @@ def _fast_decode_case(tuning, group):
         ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, d, *cache.op_tensors(0), 0.1)
         out = attention_kernel(cache, 0, q, ki, vi, ipos, ipos, d, 0.1, num_splits=2, tuning=tuning)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+class _Skipped:
+    """Stands in for a kernel that must not be needed: launching it does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_scattered_keys_below_the_flushed_boundary_are_read_by_the_bulk_kernel(monkeypatch):
+    # A correction's selected keys: scattered, unsorted, per head, all flushed at every depth, over
+    # token-sparse residuals (depths 2-3 on nested subsets). The bulk kernel alone (the generic
+    # kernel disabled, outputs poisoned) must write them exactly as the ATen body reads them; a
+    # tile holding padding or a tail position is the generic kernel's, so with it disabled those
+    # rows stay poisoned.
+    cache, g = _token_sparse_cache()
+    sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
+    sel[0, 1, 16:] = torch.tensor([384] + [3] * 15)  # head 1's second tile: the first tail position
+    monkeypatch.setattr(K, "_read_kernel", _Skipped())
+    for d in range(R):
+        ka, va = P.packed_read_aten(*cache.op_tensors(0), sel, d, *P.no_inflight(cache, 1, sel.device))
+        kk = torch.full((1, H, 32, D), float("nan"))
+        vk = torch.full_like(kk, float("nan"))
+        K.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, bulk=True, block_p=16)
+        bulk = torch.ones(1, H, 32, dtype=torch.bool)
+        bulk[0, 1, 16:] = False
+        assert torch.equal(ka[bulk], kk[bulk]) and torch.equal(va[bulk], vk[bulk]), f"depth {d}"
+        assert kk[~bulk].isnan().all() and vk[~bulk].isnan().all(), f"depth {d}: the tail tile is not the bulk kernel's"
+
+
+def _token_sparse_cache():
+    """One row of 450 tokens, depths 2-3 on nested random subsets: 6 groups flushed at every depth
+    (384 positions), 66 in the tail."""
+    cache = PackedKVCache(1, R, 1, 512, H, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    n = 450
+    k, v = torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g)
+    pos = torch.arange(n)[None]
+    keep = torch.ones(1, n, dtype=torch.bool)
+    for d in range(R):
+        if d >= 2:
+            keep &= torch.rand(1, n, generator=g) < 0.5
+        P.packed_kv_write_aten(*cache.op_tensors(0), k + d, v - d, torch.where(keep, pos, -1), d)
+    assert cache.op_tensors(0)[P.CACHE_NAMES.index("flushed")].min().item() == 384
+    return cache, g
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+def test_read_returns_the_steps_own_tokens_from_flight(bulk):
+    # sparse decode's reads: the whole history and per-head selected keys, with this step's tokens
+    # in flight (decode: one past the end; and, as a stress of the bulk tiles, one below the
+    # flushed boundary, whose tile must not skip the overlay, with a padded second token)
+    cache, g = _token_sparse_cache()
+    for inflight_pos in ([[450]], [[100, -1]]):
+        ip = torch.tensor(inflight_pos)
+        ki = torch.randn(1, H, ip.shape[1], D, generator=g)
+        vi = torch.randn(1, H, ip.shape[1], D, generator=g)
+        whole = torch.arange(452)[None]
+        sel = torch.stack([torch.randperm(452, generator=g)[:48] for _ in range(H)])[None]
+        sel[0, 0, :2] = ip.clamp_min(0)[0, 0]  # head 0 selected the in-flight token (twice)
+        for positions in (whole, sel):
+            for d in (1, 3):
+                ka, va = P.packed_read_aten(*cache.op_tensors(0), positions, d, ip, ki, vi)
+                out_k = torch.full((1, H, positions.shape[-1], D), float("nan"))
+                out_v = torch.full_like(out_k, float("nan"))
+                K.launch_packed_read(cache.op_tensors(0), positions, d, out_k, out_v, inflight=(ip, ki, vi),
+                                     bulk=bulk, block_p=64 if positions is whole else 16)
+                assert torch.equal(ka, out_k) and torch.equal(va, out_v), (inflight_pos, positions.dim(), d)
+            # the overlay is there (not only equal to the ATen body): the first token's rows, exactly
+            if positions is whole:
+                assert torch.equal(out_k[0, :, ip[0, 0]], ki[0, :, 0]) and torch.equal(out_v[0, :, ip[0, 0]], vi[0, :, 0])
+            else:
+                assert torch.equal(out_k[0, 0, :2], ki[0, 0, :1].expand(2, -1))

@@ -248,9 +248,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.flashloop.packed_kv_write.default, (*cache.op_tensors(0), k, v, pos, 0),
                           test_utils=("test_schema", "test_faketensor"))
     P.packed_kv_write(cache, 0, k, v, pos, 0)
-    torch.library.opcheck(torch.ops.flashloop.packed_read.default, (*cache.op_tensors(0), pos, 0))
+    step = (pos[:, -1:], k[:, :, -1:], v[:, :, -1:])  # one token in flight
+    torch.library.opcheck(torch.ops.flashloop.packed_read.default, (*cache.op_tensors(0), pos, 0, *step))
     per_head = torch.stack([pos.flip(-1), pos])[None, :, 0]  # [1, H, P]: each kv head its own order
-    torch.library.opcheck(torch.ops.flashloop.packed_read.default, (*cache.op_tensors(0), per_head.contiguous(), 0))
+    torch.library.opcheck(torch.ops.flashloop.packed_read.default,
+                          (*cache.op_tensors(0), per_head.contiguous(), 0, *P.no_inflight(cache, 1, pos.device)))
     q = torch.randn(1, 2 * H, 1, D)
     args = (q, k[:, :, -1:], v[:, :, -1:], pos[:, -1:], pos[:, -1:], 0, *cache.op_tensors(0), 0.125)
     torch.library.opcheck(torch.ops.flashloop.packed_attention.default, args)
@@ -273,4 +275,8 @@ def test_fake_contract_errors():
     bad = list(meta)
     bad[1] = bad[1].float()
     with pytest.raises(Exception, match="k_base_min must be torch.float16"):
-        torch.ops.flashloop.packed_read(*bad, pos, 0)
+        torch.ops.flashloop.packed_read(*bad, pos, 0, pos, k, k)
+    with pytest.raises(Exception, match="k_inflight must have the cache's compute dtype"):
+        torch.ops.flashloop.packed_read(*meta, pos, 0, pos, k.float(), k.float())
+    with pytest.raises(Exception, match=r"inflight_positions must be \[1, 3\]"):
+        torch.ops.flashloop.packed_read(*meta, pos, 0, pos[:, :1], k, k)

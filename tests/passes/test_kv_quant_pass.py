@@ -14,7 +14,8 @@ from expecttest import assert_expected_inline
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.passes import PassManager, RecognitionError
 from flashloop_compile.passes.graph import GraphSnapshot, op_name
-from flashloop_compile.passes.kv_quant import local_keys, merge_inflight, selected_positions
+from flashloop_compile.lowering.packed_ops import overlay_inflight
+from flashloop_compile.passes.kv_quant import local_keys, selected_positions
 from models.hf_style_ouro import LoopedDynamicCache
 from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 
@@ -74,7 +75,7 @@ def test_decode_quant_with_sparse_decode_counts():
        k=st.integers(1, 6), seed=st.integers(0, 2**16))
 def test_compact_selection_reads_each_query_heads_keys(b, group, kv, t, k, seed):
     """What a correction sees through the compact per-kv-head read (selected_positions ->
-    packed_read -> merge_inflight, indexed by local_keys) equals the full history indexed by the
+    packed_read with this step's tokens in flight, indexed by local_keys) equals the full history indexed by the
     reference's keys, with this step's tokens taken from flight."""
     g = torch.Generator().manual_seed(seed)
     s, d, hq = 12, 3, group * kv
@@ -92,7 +93,7 @@ def test_compact_selection_reads_each_query_heads_keys(b, group, kv, t, k, seed)
     sel = selected_positions(keys, count, kv)
     assert sel.shape == (b, kv, group * t * k)
     read = torch.where((sel >= 0)[..., None], torch.gather(hist, 2, sel.clamp_min(0)[..., None].expand(-1, -1, -1, d)), 0.0)
-    compact = merge_inflight(read, sel, step, flight)
+    compact = overlay_inflight(read, sel, step, flight)
     local = local_keys(keys, kv)
     for bi, h, ti in np.ndindex(b, hq, t):
         n = int(count[bi, h, ti])

@@ -433,11 +433,14 @@ def _read_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
-    positions, out_k, out_v,
-    sp_b, sp_h, sp_t, P, depth_arg, B, H, S, NB, CAPT, R,
+    positions, out_k, out_v, lim, in_positions, k_in, v_in,
+    sp_b, sp_h, sp_t, sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
     SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4,
 ):
+    """packed_read of positions [BP] of row (b, h) with per-token resolution (_reconstruct), the
+    positions equal to one of the row's Ti in-flight positions replaced by that token's K/V."""
     depth = depth_arg - _DEPTH_BIAS
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -445,7 +448,7 @@ def _read_kernel(
     tm = t < P
     p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
     if SKIP_BULK:  # _read_bulk_kernel wrote the tiles it qualifies for
-        if _bulk_read_tile(p, tm, flushed + b * R, depth, BP, RP):
+        if _bulk_read_tile(p, tm, flushed + b * R, lim + b, depth, BP, RP):
             return
     pm = tm & (p >= 0) & (p < S)
     ke, ko, ve, vo, _ok = _reconstruct(
@@ -456,7 +459,20 @@ def _read_kernel(
         B, H, S, NB, CAPT, R, D, G, 0, NP, False,
     )
     i = tl.arange(0, NP)
-    m2 = tm[:, None] & (i < D // 2)[None, :]
+    imask = i < D // 2
+    u = 0
+    while u < Ti:  # this step's tokens (Ti is small: decode's query rows)
+        ip = tl.load(in_positions + b * sip_b + u * sip_t)
+        hit = (p == ip) & (ip >= 0)
+        if tl.max(hit.to(tl.int32), 0) > 0:
+            ko_ = b * sk_b + h * sk_h + u * sk_t + 2 * i * sk_d
+            vo_ = b * sv_b + h * sv_h + u * sv_t + 2 * i * sv_d
+            ke = tl.where(hit[:, None], tl.load(k_in + ko_, mask=imask, other=0.0).to(tl.float32)[None, :], ke)
+            ko = tl.where(hit[:, None], tl.load(k_in + ko_ + sk_d, mask=imask, other=0.0).to(tl.float32)[None, :], ko)
+            ve = tl.where(hit[:, None], tl.load(v_in + vo_, mask=imask, other=0.0).to(tl.float32)[None, :], ve)
+            vo = tl.where(hit[:, None], tl.load(v_in + vo_ + sv_d, mask=imask, other=0.0).to(tl.float32)[None, :], vo)
+        u += 1
+    m2 = tm[:, None] & imask[None, :]
     o = ((b * H + h) * P + t)[:, None] * D + 2 * i[None, :]
     ty = out_k.dtype.element_ty
     tl.store(out_k + o, _round_to(ke, CD).to(ty), mask=m2)
@@ -466,15 +482,19 @@ def _read_kernel(
 
 
 @triton.jit
-def _bulk_read_tile(p, tm, flushed_b, depth, BP: tl.constexpr, RP: tl.constexpr):
-    """Whether a read tile (positions p [BP], tm: inside P) is a run of BP consecutive positions
-    below every depth's flushed boundary (0..depth): there every position holds its base and
-    residual j is present exactly where rows_j >= 0, so no per-token state is needed."""
+def _bulk_read_tile(p, tm, flushed_b, lim_b, depth, BP: tl.constexpr, RP: tl.constexpr):
+    """Whether every entry of a read tile (positions p [BP], tm: inside P) is a position below
+    every depth's flushed boundary (0..depth) and below the row's first in-flight position
+    (lim_b), in any order: there every position holds its base and residual j is present exactly
+    where rows_j >= 0, so no per-token state is needed. A prefix (the loop-2 reference's whole
+    history) and the selected keys of a correction (sparse decode's top-k, scattered) are almost
+    all such tiles; a tile with padding (-1), a position in the ring or beyond, or the end of P
+    goes to _read_kernel."""
     e_ = tl.arange(0, RP)
     fl_min = tl.min(tl.load(flushed_b + e_, mask=e_ <= depth, other=2147483647), 0)
-    p0 = tl.min(tl.where(tm, p, 2147483647), 0)
-    off = tl.sum(tl.where(tm, p != p0 + tl.arange(0, BP), True).to(tl.int32), 0)
-    return (off == 0) & (p0 >= 0) & (p0 + BP <= fl_min)
+    p_lo = tl.min(tl.where(tm, p, -1), 0)
+    p_hi = tl.max(p, 0)
+    return (p_lo >= 0) & (p_hi < fl_min) & (p_hi < tl.load(lim_b))
 
 
 @triton.jit
@@ -558,13 +578,13 @@ def _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_la
 def _read_bulk_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-    flushed, rows, res_layout, positions, out_k, out_v,
+    flushed, rows, res_layout, positions, out_k, out_v, lim,
     sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
 ):
-    """packed_read of the tiles _bulk_read_tile admits (a prefix read such as sparse decode's
-    loop-2 reference of the whole history is almost all such tiles); _read_kernel with SKIP_BULK
-    takes the others. No per-token resolution, the depth a constexpr (unrolled residuals), K
+    """packed_read of the tiles _bulk_read_tile admits (sparse decode's loop-2 reference reads
+    the whole history, its corrections the selected keys: almost all such tiles); _read_kernel
+    with SKIP_BULK takes the others. No per-token resolution, the depth a constexpr (unrolled residuals), K
     parameters as 32-bit pair words, V group parameters selected in registers, and rows stored
     whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
     _reconstruct: the two kernels write identical values."""
@@ -574,7 +594,7 @@ def _read_bulk_kernel(
     t = tl.program_id(2) * BP + tl.arange(0, BP)
     tm = t < P
     p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
-    if _bulk_read_tile(p, tm, flushed + b * R, DEPTH, BP, RP):
+    if _bulk_read_tile(p, tm, flushed + b * R, lim + b, DEPTH, BP, RP):
         bh = b * H + h
         pc = p.to(tl.int32)
         kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]  # each position's block of K parameters
@@ -666,126 +686,6 @@ def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e,
 
 
 @triton.jit
-def _v_params(v_min, v_scale, r, rmask, imask, vgrp, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr,
-              NP: tl.constexpr, VBCAST: tl.constexpr):
-    """FP32 V (minimum, scale) [BN, NP] of rows r [BN] (rmask False: 0), per channel pair i of
-    group i // (G / 2). VBCAST: one load per (row, group), broadcast over the group's pairs
-    (needs NP == NG * G / 2)."""
-    if VBCAST:
-        gi = tl.arange(0, NG)
-        vp = r[:, None] * NG + gi[None, :]
-        m2 = rmask[:, None]
-        mn = tl.load(v_min + vp, mask=m2, other=0.0).to(tl.float32)
-        sc = tl.load(v_scale + vp, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, NP])
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, NP])
-    else:
-        vp = r[:, None] * NG + vgrp
-        m2 = rmask[:, None] & imask
-        mn = tl.load(v_min + vp, mask=m2, other=0.0).to(tl.float32)
-        sc = tl.load(v_scale + vp, mask=m2, other=0.0).to(tl.float32)
-    return mn, sc
-
-
-@triton.jit
-def _fast_residual(
-    j, jm, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
-    k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB,
-    D: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, VBCAST: tl.constexpr,
-):
-    """Add residual j (where present; jm False: nothing, no traffic) to a tile's K/V halves."""
-    HD: tl.constexpr = D // 2
-    rj = tl.load(rows + ((j - 1) * B + b) * S + p, mask=jm, other=-1)
-    has = rj >= 0
-    h2 = has[:, None] & imask
-    g = tl.load(res_layout + j) + tl.where(has, rj, 0)
-    pk = kp + (((j - 1) * B + b) * H + h) * NB * D
-    c = tl.load(kr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-    de = tl.load(k_res_min + pk, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(
-        k_res_scale + pk, mask=jm & imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
-    do = tl.load(k_res_min + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) + tl.load(
-        k_res_scale + pk + 1, mask=jm & imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
-    ke = tl.where(h2, ke + de, ke)
-    ko = tl.where(h2, ko + do, ko)
-    c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-    vmn, vsc = _v_params(vr_min, vr_scale, g, has, imask, vgrp, BN, NG, G, NP, VBCAST)
-    ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
-    vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
-    return ke, ko, ve, vo
-
-
-@triton.jit
-def _fast_decode_tiles(
-    qe, qo, lo, hi, b, h, depth, scale,
-    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-    rows, res_layout, m_i, l_i, acc_e, acc_o,
-    B, H, S, NB, CAPT,
-    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, RL: tl.constexpr, BN: tl.constexpr,
-    STAGES: tl.constexpr, CD: tl.constexpr, DYN_DEPTH: tl.constexpr = False, VBCAST: tl.constexpr = False,
-):
-    """Online softmax of one query row (qe/qo [1, NP]) over key tiles lo..hi-1 of BN keys that lie
-    below every depth's flushed boundary (the packed bulk of a long context).
-
-    There the resolution rule needs no per-token state: every position holds its base, and
-    residual j (1 <= j <= depth) is present exactly where rows_j >= 0 (nested sets: a token
-    computed at depth j was computed at every earlier depth), so the loads have no data-dependent
-    branches and the tile loop is software-pipelined. Unused depths (j > depth) are masked off
-    loads (no memory traffic).
-
-    Variants (launch parameters, timed by bench_packed_decode --sweep): DYN_DEPTH runs the
-    residual loop to ``depth`` (a runtime bound) instead of masking every depth up to RL - 1;
-    VBCAST loads a tile's V parameters once per (key, group) and broadcasts them over the group's
-    channels instead of loading them per channel."""
-    HD: tl.constexpr = D // 2
-    NG: tl.constexpr = D // G
-    bh = b * H + h
-    i = tl.arange(0, NP)
-    imask = (i < HD)[None, :]
-    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-        bh, S, NB, CAPT, D, G,
-    )
-    vgrp = (i // (G // 2))[None, :]
-    for tile in tl.range(lo, hi, num_stages=STAGES):
-        p = tile * BN + tl.arange(0, BN)  # int32: positions < S
-        blk = (tile * BN) // G
-        kp = (blk * D + 2 * i)[None, :]
-        c = tl.load(kb_codes + p[:, None] * HD + i[None, :], mask=imask, other=0).to(tl.int32)
-        ke = tl.load(kb_min + kp, mask=imask, other=0.0).to(tl.float32) + tl.load(kb_scale + kp, mask=imask, other=0.0).to(tl.float32) * (c & 15).to(tl.float32)
-        ko = tl.load(kb_min + kp + 1, mask=imask, other=0.0).to(tl.float32) + tl.load(kb_scale + kp + 1, mask=imask, other=0.0).to(tl.float32) * (c >> 4).to(tl.float32)
-        c = tl.load(vb_codes + p[:, None] * HD + i[None, :], mask=imask, other=0).to(tl.int32)
-        vmn, vsc = _v_params(vb_min, vb_scale, p, p >= 0, imask, vgrp, BN, NG, G, NP, VBCAST)
-        ve = vmn + vsc * (c & 15).to(tl.float32)
-        vo = vmn + vsc * (c >> 4).to(tl.float32)
-        if DYN_DEPTH:
-            j = 1
-            while j <= depth:
-                ke, ko, ve, vo = _fast_residual(  # the mask as a tensor, as in the static form
-                    j, j <= depth, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
-                    k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB, D, BN, NG, G, NP, VBCAST,
-                )
-                j += 1
-        else:
-            for j in tl.static_range(1, RL):
-                ke, ko, ve, vo = _fast_residual(
-                    j, j <= depth, p, kp, b, h, ke, ko, ve, vo, rows, res_layout, kr_codes, vr_codes,
-                    k_res_min, k_res_scale, vr_min, vr_scale, imask, vgrp, i, B, H, S, NB, D, BN, NG, G, NP, VBCAST,
-                )
-        ke = _round_to(ke, CD)
-        ko = _round_to(ko, CD)
-        s = (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1)) * scale  # [BN]
-        m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
-        l_i = l_i * alpha + tl.sum(pr, 0)
-        acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
-        acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
-        m_i = m_new
-    return m_i, l_i, acc_e, acc_o
-
-
-@triton.jit
 def _row_group_params(v_min, v_scale, r, rmask, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, HD: tl.constexpr):
     """FP32 V (minimum, scale) [BN, HD] of rows r [BN]: one load of a row's NG groups (contiguous),
     broadcast over each group's G / 2 channel pairs. One or two groups per row (head_dim 64 or
@@ -815,17 +715,26 @@ def _decode_bulk_kernel(
     rows, res_layout, part_ml, part_acc,
     sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
-    CD: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr,
+    CD: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr, LINEAR: tl.constexpr = False,
 ):
-    """The packed bulk of one-query-row decode (FAST_DECODE "bulk_kernel"): split z < NSTORED of
-    the key tiles below every depth's flushed boundary, as _fast_decode_tiles defines them, in a
-    kernel of its own so that its registers are not the generic tail's (_attn_kernel with BULK
-    takes split NSTORED). Per tile, K first (base + residuals 1..depth where present, scores,
-    online-softmax update), then V: two of the four [BN, D/2] tiles live at a time; parameters
-    are loaded contiguously (K: a block's D channels; V: a row's groups). Same arithmetic, in the
-    same order, as the fused path; partials in its layout for _combine_kernel. The depth is a
-    constexpr (one compiled variant per loop of the model): the residual loops unroll without
-    masks and the tile loop's loads can be software-pipelined."""
+    """The packed bulk of one-query-row decode (the FAST_DECODE path): splits z < NSTORED of the
+    key tiles of BN keys below every depth's flushed boundary and the stored end. There the
+    resolution rule needs no per-token state: every position holds its base, and residual j
+    (1 <= j <= depth) is present exactly where rows_j >= 0 (nested sets: a token computed at
+    depth j was computed at every earlier depth), so the loads have no data-dependent branches.
+    A kernel of its own so that its registers are not the generic tail's (_attn_kernel with FAST
+    takes split NSTORED: the unflushed tail, the ring and the in-flight keys). Per tile, K first
+    (base + residuals 1..depth where present, scores, online-softmax update), then V: two of the
+    four [BN, D/2] tiles live at a time; parameters are loaded contiguously (K: a block's D
+    channels as pair words; V: a row's groups). Partials in _attn_kernel's layout for
+    _combine_kernel. The depth is a constexpr (one compiled variant per loop of the model): the
+    residual loops unroll without masks and the tile loop's loads are software-pipelined.
+    LINEAR (FAST_DECODE["linear"]): dequantization is affine, so scores and the PV product are
+    taken in the code domain (_linear_scores, _linear_pv) instead of on reconstructed K/V rounded
+    to the compute dtype: per element and stream a nibble conversion and one FMA, the parameters
+    applied per tile (K) or per token and group (V), V kept as per-row partials summed once per
+    split. The attention of the exact reconstruction up to FP32 rounding (the compute-dtype
+    rounding of K/V is not applied)."""
     HD: tl.constexpr = D // 2
     NSPL: tl.constexpr = NSTORED + 1
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -842,39 +751,169 @@ def _decode_bulk_kernel(
     lo = (z * nfast) // NSTORED
     hi = ((z + 1) * nfast) // NSTORED
     i = tl.arange(0, HD)
-    qn = tl.load(q + b * sq_b + h * sq_h + tl.arange(0, D) * sq_d).to(tl.float32)
-    qe, qo = tl.split(tl.reshape(qn, [HD, 2]))
-    qe = qe[None, :]
-    qo = qo[None, :]
     m_i = tl.full([1], float("-inf"), tl.float32)
     l_i = tl.zeros([1], tl.float32)
-    acc_e = tl.zeros([1, HD], tl.float32)
-    acc_o = tl.zeros([1, HD], tl.float32)
+    if LINEAR:  # rows in _code_units' order, q in the codes' unit; per-row V partials (_linear_pv)
+        ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
+        # q's even and odd channels as two loads of D/2: fewer than a program's threads, no layout anchor
+        qc = q + b * sq_b + h * sq_h + (2 * _word_pairs(D))[None] * sq_d
+        q24 = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sq_d).to(tl.float32)) * 16777216.0
+        y = tl.zeros([BN, D // 8, 2, 2, 2], tl.float32)
+        yb = tl.zeros([BN, D // 8], tl.float32)
+    else:
+        qn = tl.load(q + b * sq_b + h * sq_h + tl.arange(0, D) * sq_d).to(tl.float32)
+        qe, qo = tl.split(tl.reshape(qn, [HD, 2]))
+        qe = qe[None, :]
+        qo = qo[None, :]
+        acc_e = tl.zeros([1, HD], tl.float32)
+        acc_o = tl.zeros([1, HD], tl.float32)
     kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
         bh, S, NB, CAPT, D, G,
     )
     for tile in tl.range(lo, hi, num_stages=STAGES):
         p = tile * BN + tl.arange(0, BN)  # int32: positions < S
-        kw = ((tile * BN) // G * HD + i)[None, :]  # the tile's block of K parameters (BN divides G)
-        ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
-                         B, H, S, NB, D, DEPTH)
-        s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
+        if LINEAR:
+            s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
+                               (tile * BN) // G, q24, b, h, B, H, S, NB, D, DEPTH) * scale
+        else:
+            kw = ((tile * BN) // G * HD + i)[None, :]  # the tile's block of K parameters (BN divides G)
+            ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
+                             B, H, S, NB, D, DEPTH)
+            s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
         m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
         alpha = tl.exp(m_i - m_new)
         pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
         l_i = l_i * alpha + tl.sum(pr, 0)
         m_i = m_new
-        ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S, D, G, BN, DEPTH)
-        acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
-        acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
+        if LINEAR:
+            y, yb = _linear_pv(y * alpha[:, None, None, None, None], yb * alpha[:, None], vb_codes, vb_min, vb_scale,
+                               vr_codes, vr_min, vr_scale, rows, res_layout, p, pr, b, B, S, D, G, DEPTH)
+        else:
+            ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S, D, G, BN, DEPTH)
+            acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
+            acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
     prow = bh * NSPL + z
     one = tl.arange(0, 1)
     tl.store(part_ml + prow * 2 + one, m_i)
     tl.store(part_ml + prow * 2 + 1 + one, l_i)
-    o = prow * D + 2 * i[None, :]
-    tl.store(part_acc + o, acc_e)
-    tl.store(part_acc + o + 1, acc_o)
+    if LINEAR:
+        tl.store(part_acc + prow * D + ch, tl.sum(y + yb[:, :, None, None, None], 0))
+    else:
+        o = prow * D + 2 * i[None, :]
+        tl.store(part_acc + o, acc_e)
+        tl.store(part_acc + o + 1, acc_o)
+
+
+@triton.jit
+def _fp16_halves(c):
+    """The low and high 16-bit halves of int32 words c as FP32 values of fp16 bit patterns, [..., 2]."""
+    return tl.join(c.to(tl.uint16), (c >> 16).to(tl.uint16)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_pairs(D: tl.constexpr):
+    """Pair index 4i + 2x + y at [i, x, y] of a [D/8, 2, 2] tensor (pair p: channels 2p, 2p + 1):
+    the order in which the linear decode holds a row, one 32-bit code word (four pairs) per i,
+    so that the codes and every per-channel vector line up without a layout conversion."""
+    return (tl.arange(0, D // 8) * 4)[:, None, None] + (tl.arange(0, 2) * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+
+
+@triton.jit
+def _code_units(w):
+    """The INT4 codes of int32 code words w [BN, D/8] as exact FP32 code * 2^-24, [BN, D/8, 2, 2,
+    2]: channel 8i + 4x + 2y + z at [:, i, x, y, z] (nibble k of word i is channel 8i + k).
+    Masked to one nibble per 16-bit half, a word is two fp16 subnormals code * 2^-24: a shift
+    and an AND per two codes and an fp16 -> fp32 conversion per code, where a byte extract, a
+    nibble shift or mask and an int -> float conversion cost an instruction each. Callers fold
+    2^24 into a per-tile factor."""
+    m = 0x000F000F
+    return tl.join(tl.join(_fp16_halves(w & m), _fp16_halves((w >> 8) & m)),
+                   tl.join(_fp16_halves((w >> 4) & m), _fp16_halves((w >> 12) & m)))
+
+
+@triton.jit
+def _channel_params(ptr, pw, D: tl.constexpr):
+    """FP32 per-channel parameters [1, D/8, 2, 2, 2] (in _code_units' order) of the fp16 table ptr
+    from pair word pw on: D/2 contiguous 32-bit words (128-bit loads), split as _word_pairs. Fewer
+    elements than a program's threads, they are no layout anchor: they take the code tile's
+    layout instead of converting it every tile."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw + tl.arange(0, D // 2)[None, :])
+    return _fp16_halves(tl.reshape(w, [1, D // 8, 2, 2]))
+
+
+@triton.jit
+def _row_sums(x):
+    """Sums over the channels of x [BN, D/8, 2, 2, 2]: [BN]."""
+    return tl.sum(tl.sum(tl.sum(tl.sum(x, 4), 3), 2), 1)
+
+
+@triton.jit
+def _word_groups(ptr, r, D: tl.constexpr, G: tl.constexpr, rmask=None):
+    """FP32 V parameters [BN, D/8] of rows r [BN] (0 where rmask is False), one per code word:
+    its group's. One load of a row's D/G groups (fewer elements than a program's threads: no
+    layout anchor), broadcast over the words of each group."""
+    NG: tl.constexpr = D // G
+    vp = r[:, None, None] * NG + tl.arange(0, NG)[None, :, None]
+    if rmask is None:
+        v = tl.load(ptr + vp)
+    else:
+        v = tl.load(ptr + vp, mask=rmask[:, None, None], other=0.0)
+    return tl.reshape(tl.broadcast_to(v.to(tl.float32), [r.shape[0], NG, G // 8]), [r.shape[0], D // 8])
+
+
+@triton.jit
+def _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, blk, q24,
+                   b, h, B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr):
+    """q . k [BN] of positions p (in K block blk) of the flushed bulk of row (b, h) without
+    reconstructing k; pointers as _bulk_k's, q24: q * 2^24 in _code_units' order. With codes c
+    in units of 2^-24 and the tile's K parameters its block's,
+        q . k = q24 . (min_0 / 2^24 + sum_s scale_s c_s) + sum_{present s >= 1} q . min_s:
+    one FMA per element and stream into x (the base is present everywhere: its minimum is the
+    addend of its FMA), one reduction over channels per tile, and per residual a bias q . min_s
+    once per tile, dropped by absent rows (whose codes load as 0)."""
+    W: tl.constexpr = D // 8
+    words = tl.arange(0, W)[None, :]
+    pw = blk * (D // 2)  # the block's parameters
+    kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    x = (_code_units(tl.load(kb_words + p[:, None] * W + words)) * _channel_params(kb_scale, pw, D)
+         + _channel_params(kb_min, pw, D) * (1.0 / 16777216.0))
+    bias = tl.zeros(p.shape, tl.float32)
+    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    for j in tl.static_range(1, DEPTH + 1):
+        has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+        c = _code_units(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0))
+        pk = (((j - 1) * B + b) * H + h) * NB * D
+        x += c * _channel_params(k_res_scale + pk, pw, D)
+        bias += tl.where(has, _row_sums(q24 * _channel_params(k_res_min + pk, pw, D)), 0.0)
+    return _row_sums(x * q24) + bias * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _linear_pv(y, yb, vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, pr, b, B, S,
+               D: tl.constexpr, G: tl.constexpr, DEPTH: tl.constexpr):
+    """y [BN, D/8, 2, 2, 2] (_code_units' order) and yb [BN, D/8] plus the values of positions p
+    of the flushed bulk weighted by pr [BN, 1], without reconstructing v; pointers as _bulk_v's.
+    Per stream, pr (min_g + scale_g code) = pr min_g + w_g code with w = pr * scale per token and
+    group: y takes one FMA per element and stream (a code word lies in one group: w is loaded per
+    word and broadcast over its channels, no select), yb the minima per word. Per-row partials:
+    the caller rescales them per tile and sums the rows (y + yb) once per split. An absent
+    residual loads codes and minima 0 (its scale then multiplies nothing)."""
+    W: tl.constexpr = D // 8
+    words = tl.arange(0, W)[None, :]
+    pr24 = pr * 16777216.0  # the codes come as code * 2^-24
+    mn = _word_groups(vb_min, p, D, G)
+    w = pr24 * _word_groups(vb_scale, p, D, G)
+    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    y += _code_units(tl.load(vb_words + p[:, None] * W + words)) * w[:, :, None, None, None]
+    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    for j in tl.static_range(1, DEPTH + 1):
+        has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+        mn += _word_groups(vr_min, g, D, G, has)
+        w = pr24 * _word_groups(vr_scale, g, D, G)
+        c = _code_units(tl.load(vr_words + g[:, None] * W + words, mask=has[:, None], other=0))
+        y += c * w[:, :, None, None, None]
+    return y, yb + pr * mn
 
 
 @triton.jit(do_not_specialize=["depth_arg"])
@@ -890,9 +929,8 @@ def _attn_kernel(
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, QPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
-    FAST: tl.constexpr = False, RL: tl.constexpr = 4, RP: tl.constexpr = 4, BNF: tl.constexpr = 64, STAGES: tl.constexpr = 2,
-    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False, DYN_DEPTH: tl.constexpr = False, VBCAST: tl.constexpr = False,
-    BULK: tl.constexpr = False,
+    FAST: tl.constexpr = False, RP: tl.constexpr = 4, BNF: tl.constexpr = 64,
+    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -900,7 +938,7 @@ def _attn_kernel(
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
-    z = tl.program_id(1) + (NSTORED if BULK else 0)  # BULK: one program per row, split NSTORED
+    z = tl.program_id(1) + (NSTORED if FAST else 0)  # FAST: one program per row, split NSTORED
     m = tl.program_id(2) * BM + tl.arange(0, BM)
     mmask = m < T * QPK
     t = (m // QPK).to(tl.int64)
@@ -922,26 +960,16 @@ def _attn_kernel(
 
     P0 = tl.load(p0 + b)
     if FAST:
-        # one query row: splits 0..NSTORED-1 share the tiles below every depth's flushed boundary
-        # (_fast_decode_tiles); split NSTORED takes the rest of the stored prefix (per-token
-        # resolution, the ring) and the in-flight keys. Stored keys (< P0) precede every query.
+        # one query row: splits 0..NSTORED-1 (the tiles of BNF keys below every depth's flushed
+        # boundary) ran in _decode_bulk_kernel; this program is split NSTORED: the rest of the
+        # stored prefix (per-token resolution, the ring) and the in-flight keys. Stored keys (< P0)
+        # precede every query.
         e_ = tl.arange(0, RP)
         fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= depth, other=2147483647), 0)
         nfast = tl.minimum(fl_min, P0) // BNF
         nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
         tile = (nfast * BNF) // BN
         t_hi = (P0 + BN - 1) // BN
-        if BULK:
-            pass  # splits 0..NSTORED-1 ran in _decode_bulk_kernel
-        elif z < NSTORED:
-            m_i, l_i, acc_e, acc_o = _fast_decode_tiles(
-                qe, qo, (z * nfast) // NSTORED, ((z + 1) * nfast) // NSTORED, b, h, depth, scale,
-                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-                rows, res_layout, m_i, l_i, acc_e, acc_o,
-                B, H, S, NB, CAPT, D, G, NP, RL, BNF, STAGES, CD, DYN_DEPTH, VBCAST,
-            )
-            t_hi = tile
     else:
         ntiles = (P0 + BN - 1) // BN
         tile = (z * ntiles) // NSTORED
@@ -1069,26 +1097,32 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 128))
 
 
-# Launch parameters of the one-query-row decode fast path: the best of `benchmarks/bench_packed_decode.py
-# --sweep` on the H200 (2026-11-30, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, no
-# pipelining stages (stages 3 cost 20-30%), four waves of splits). FLASHLOOP_FAST_DECODE='{"num_warps": 8}'
-# (JSON) overrides entries for a run without editing the defaults.
-# "dynamic_depth" (residual loop bounded by the depth at run time, not masked up to R - 1): on since
-# session 4's sweep (B=1/4 x 32K: depth 1 1.55x/1.48x faster, depth 3 1.04x faster/1.04x slower;
-# benchmarks/RESULTS.md). "broadcast_v_params" (V parameters loaded once per key and group): off,
-# within +-8% either way in the same sweep.
-FAST_DECODE = {
-    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 1, "waves": 4,
-    "dynamic_depth": True, "broadcast_v_params": False, "bulk_kernel": False, "maxnreg": None,  # maxnreg: the bulk kernel's
-}
-FAST_DECODE.update(json.loads(os.environ.get("FLASHLOOP_FAST_DECODE", "{}")))
+def _with_overrides(defaults: dict, env: str) -> dict:
+    """``defaults`` updated from the JSON object in environment variable ``env`` (a run's launch
+    parameters without editing the defaults); a key the defaults do not have is an error, so a
+    stale or misspelt override cannot be silently ignored."""
+    over = json.loads(os.environ.get(env, "{}"))
+    unknown = sorted(set(over) - set(defaults))
+    if unknown:
+        raise ValueError(f"{env}: unknown launch parameters {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **over}
+
+
+# Launch parameters of one-query-row decode (_decode_bulk_kernel for the flushed bulk, split
+# NSTORED in _attn_kernel): the best of `benchmarks/bench_packed_decode.py --sweep` on the H200
+# (session 5, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, cp.async with 2 stages, four
+# waves of splits; 275/375/971/1372 us, 1.26-1.56x faster than the fused fast path it replaced;
+# benchmarks/RESULTS.md). "maxnreg": a register cap for the bulk kernel (None: ptxas decides).
+# FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
+FAST_DECODE = _with_overrides({
+    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 2, "waves": 4, "maxnreg": None, "linear": False,
+}, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
 # (a prompt has T/64 groups). 16: the best of bench_packed_prefill --sweep on the H200 (session 4,
 # loop-2 write of a 4K/8K prompt: 1 chunk 3.74/7.19 ms, 4: 1.32/2.31, 16: 0.76/1.43, 64: 1.11/1.58).
 # FLASHLOOP_PACKED_WRITE (JSON) overrides.
-PACKED_WRITE = {"chunks": 16}
-PACKED_WRITE.update(json.loads(os.environ.get("FLASHLOOP_PACKED_WRITE", "{}")))
+PACKED_WRITE = _with_overrides({"chunks": 16}, "FLASHLOOP_PACKED_WRITE")
 
 # Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
 # in-flight key tile (a fresh prompt's keys are all in flight), warps, and whether the in-flight
@@ -1096,16 +1130,16 @@ PACKED_WRITE.update(json.loads(os.environ.get("FLASHLOOP_PACKED_WRITE", "{}")))
 # layout's even/odd halves. The best of `benchmarks/bench_packed_prefill.py --sweep` on the H200
 # (session 4, a 4K/8K prompt at loop 1: 0.78/2.07 ms; the earlier halves with bm64 bni32 w8
 # 4.18/15.09 ms; causal SDPA 0.18/0.55 ms). FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
-PACKED_PREFILL = {"block_m": 64, "block_n_inflight": 64, "num_warps": 4, "whole_rows": True}
-PACKED_PREFILL.update(json.loads(os.environ.get("FLASHLOOP_PACKED_PREFILL", "{}")))
+PACKED_PREFILL = _with_overrides(
+    {"block_m": 64, "block_n_inflight": 64, "num_warps": 4, "whole_rows": True}, "FLASHLOOP_PACKED_PREFILL")
 
 
-# packed_read: "bulk" sends runs of consecutive positions below the flushed boundaries (the
-# loop-2 reference's read of the whole history under sparse decode + quantization) to a kernel
-# without per-token resolution (scripts/kernel_report.py --only read). Off until timed.
+# packed_read: "bulk" sends tiles of positions below the flushed boundaries (the loop-2
+# reference's read of the whole history and the corrections' selected keys under sparse decode +
+# quantization) to _read_bulk_kernel, without per-token resolution. On since session 5: the whole
+# history at B=1/4 x 32K reads in 0.33-1.19 ms instead of 2.2-9.0 ms (7-11x; benchmarks/RESULTS.md).
 # FLASHLOOP_PACKED_READ (JSON) overrides.
-PACKED_READ = {"bulk": False, "num_warps": 4}
-PACKED_READ.update(json.loads(os.environ.get("FLASHLOOP_PACKED_READ", "{}")))
+PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4}, "FLASHLOOP_PACKED_READ")
 
 
 _PINNED: dict = {}
@@ -1165,12 +1199,13 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     )
 
 
-def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_wrap, bulk: bool | None = None,
-                       block_p: int | None = None) -> None:
+def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
+                       bulk: bool | None = None, block_p: int | None = None) -> None:
     """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
-    out_k/out_v [B, H, P, D] (contiguous). ``bulk`` (default PACKED_READ["bulk"]): runs of
-    consecutive positions below the flushed boundaries go to _read_bulk_kernel, the rest to
-    _read_kernel. ``block_p``: positions per program (tests)."""
+    out_k/out_v [B, H, P, D] (contiguous). ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v)
+    of this step's tokens: a position equal to one of them reads its row (see packed_ops).
+    ``bulk`` (default PACKED_READ["bulk"]): tiles of positions below the flushed boundaries go to
+    _read_bulk_kernel, the rest to _read_kernel. ``block_p``: positions per program (tests)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -1184,26 +1219,35 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, wrap=no_
     if _interpreting():
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
     bp = block_p or bp
-    tune = {**PACKED_READ, **({} if bulk is None else {"bulk": bulk})}
     grid = (Bc, H, triton.cdiv(P, bp))
-    bulk = bool(tune["bulk"])
-    if bulk and (D & (D - 1) or G % 2 or np_ != D // 2):
+    bulk_fits = not (D & (D - 1) or G % 2)
+    if bulk is None:
+        bulk = bool(PACKED_READ["bulk"]) and bulk_fits  # other shapes: the generic kernel reads everything
+    elif bulk and not bulk_fits:
         raise ValueError(f"the bulk read needs a power-of-two head_dim and an even group, got {D}, {G}")
     cd = _CDTYPE_CODE[out_k.dtype]
+    if inflight is None:
+        ip = positions.new_empty(Bc, 0)
+        k_in = v_in = out_k.new_empty(Bc, H, 0, D)
+    else:
+        ip, k_in, v_in = inflight
+    # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
+    lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((Bc,), S)
     if bulk:
         wrap(_read_bulk_kernel)[grid](
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-            flushed, rows, res_layout, positions, out_k, out_v,
+            flushed, rows, res_layout, positions, out_k, out_v, lim,
             sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
-            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, num_warps=tune["num_warps"],
+            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, num_warps=PACKED_READ["num_warps"],
         )
     wrap(_read_kernel)[grid](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
-        positions, out_k, out_v,
-        sp_b, sp_h, sp_t, P, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
+        positions, out_k, out_v, lim, ip, k_in, v_in,
+        sp_b, sp_h, sp_t, *ip.stride(), *k_in.stride(), *v_in.stride(),
+        P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=cd, SKIP_BULK=bulk, RP=next_pow2(R), num_warps=4,
     )
 
@@ -1234,12 +1278,18 @@ def launch_packed_attention(
     cd = _CDTYPE_CODE[q.dtype]
     dot_t = 0 if (interp or q.dtype == torch.float32) else cd  # the interpreter's bf16 dot is wrong: FP32 there
     p0 = stored_end(q_positions, inflight_positions, S)
+    unknown = sorted(set(tuning or {}) - set(FAST_DECODE) - set(PACKED_PREFILL))
+    if unknown:
+        raise ValueError(f"unknown launch parameters {unknown}; known: {sorted({**FAST_DECODE, **PACKED_PREFILL})}")
     tune = {**FAST_DECODE, **(tuning or {})}
     tune["block_n"] = min(tune["block_n"], G)
+    fast_fits = mode == "decode" and mrows == 1 and G % tune["block_n"] == 0 and not (D & (D - 1) or G % 2)
     if fast is None:
-        fast = tune["enabled"] and mode in (None, "decode") and mrows == 1
-    if fast and (mrows != 1 or mode == "prefill" or G % tune["block_n"]):
-        raise ValueError(f"the fast decode path needs one query row per kv head and block_n dividing {G}")
+        fast = bool(tune["enabled"]) and fast_fits  # other shapes: the generic decode kernel
+    elif fast and not fast_fits:
+        raise ValueError(f"the fast decode path needs decode mode, one query row per kv head, a power-of-two head_dim "
+                         f"and an even group that block_n divides; got mode {mode}, {mrows} rows, head_dim {D}, "
+                         f"group {G}, block_n {tune['block_n']}")
     bnf = tune["block_n"]
     stages = tune["num_stages"]
     if mode == "decode":
@@ -1259,10 +1309,7 @@ def launch_packed_attention(
         part_acc = torch.empty(Bc * Hq * T * nspl * D, dtype=torch.float32, device=q.device)
         grid = (Bc * H, nspl, m_tiles)
         fused = False
-        warps = tune["num_warps"] if fast else 8
-        bulk = fast and bool(tune["bulk_kernel"])
-        if bulk and (D & (D - 1) or G % 2):
-            raise ValueError(f"the decode bulk kernel needs a power-of-two head_dim and an even group, got {D}, {G}")
+        warps = 8  # _attn_kernel's generic tile code spills at 4 (scripts/kernel_report.py)
     elif mode == "prefill":
         ptune = {**PACKED_PREFILL, **(tuning or {})}
         bm = ptune["block_m"]
@@ -1274,15 +1321,14 @@ def launch_packed_attention(
         part_ml = part_acc = out  # unused
         grid = (Bc * H, 1, m_tiles)
         fused = True
-        bulk = False
         warps = ptune["num_warps"]
         whole = bool(ptune["whole_rows"])
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
-    if bulk:
-        bulk_kernel, opts = _decode_bulk_kernel, {"num_warps": warps}
+    if fast:
+        bulk_kernel, opts = _decode_bulk_kernel, {"num_warps": tune["num_warps"]}
         if tune["maxnreg"] and not interp:  # a launch option wrap_triton does not pass: a one-config autotuner
-            bulk_kernel, opts = _pinned_config(_decode_bulk_kernel, warps, stages, tune["maxnreg"]), {}
+            bulk_kernel, opts = _pinned_config(_decode_bulk_kernel, tune["num_warps"], stages, tune["maxnreg"]), {}
         wrap(bulk_kernel)[(Bc * H, ns)](
             q, q_positions, p0, flushed,
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -1290,10 +1336,10 @@ def launch_packed_attention(
             rows, res_layout, part_ml, part_acc,
             q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), CD=cd, STAGES=stages, DEPTH=depth, **opts,
+            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), CD=cd, STAGES=stages, DEPTH=depth,
+            LINEAR=bool(tune.get("linear", False)), **opts,
         )
         grid = (Bc * H, 1, m_tiles)  # _attn_kernel takes split NSTORED only: the tail and in-flight keys
-        warps = 8  # its generic tile code spills at 4 (scripts/kernel_report.py)
     wrap(_attn_kernel)[grid](
         q, k_inflight, v_inflight, q_positions, inflight_positions, p0,
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -1304,10 +1350,8 @@ def launch_packed_attention(
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
-        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RL=R, RP=next_pow2(R), BNF=bnf, STAGES=stages, BNI=bni,
-        WHOLE=whole, DYN_DEPTH=bool(tune["dynamic_depth"]),
-        VBCAST=bool(tune["broadcast_v_params"]) and np_ == D // 2 and (D // G) & (D // G - 1) == 0,
-        BULK=bulk, num_warps=warps,
+        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=next_pow2(R), BNF=bnf, BNI=bni, WHOLE=whole,
+        num_warps=warps,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](

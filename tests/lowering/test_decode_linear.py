@@ -1,0 +1,61 @@
+"""The linear-domain bulk decode kernel (FAST_DECODE["linear"]: scores and the PV product taken
+in the code domain, no reconstructed K/V) against the ATen body, run by the interpreter.
+
+Without the compute-dtype rounding of the reconstruction, the linear form equals the reference
+up to FP32 rounding on fp32 caches (tolerance 1e-5) and up to the reference's bf16 rounding of
+K/V on bf16 caches (the bf16 tolerance, 1e-2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.runtime import PackedKVCache
+
+B, H, D, R = 2, 2, 128, 4
+LENGTHS = (160, 131)  # neither a multiple of the group: the bulk ends before the stored end
+
+
+def _cache(dtype: torch.dtype, group: int) -> PackedKVCache:
+    """Both rows written at depths 0..3: residuals on nested random subsets of each row's tokens
+    (absent rows inherit the previous depth), so a tile mixes present and absent residuals."""
+    cache = PackedKVCache(1, R, B, 192, H, D, group_size=group, tail=group, dtype=dtype)
+    g = torch.Generator().manual_seed(11)
+    n = max(LENGTHS)
+    k = torch.randn(B, H, n, D, generator=g)
+    v = torch.randn(B, H, n, D, generator=g)
+    pos = torch.arange(n).expand(B, n)
+    keep = pos < torch.tensor(LENGTHS)[:, None]
+    for d in range(R):
+        if d:
+            keep = keep & (torch.rand(B, n, generator=g) < 0.6)
+        P.packed_kv_write_aten(*cache.op_tensors(0), (k + 0.3 * d).to(dtype), (v - 0.2 * d).to(dtype),
+                               torch.where(keep, pos, -1), d)
+    return cache
+
+
+@pytest.mark.parametrize("dtype, group, block_n", [
+    (torch.float32, 64, 16), (torch.float32, 64, 32), (torch.float32, 32, 32), (torch.bfloat16, 32, 16),
+], ids=["fp32_g64_bn16", "fp32_g64_bn32", "fp32_g32_bn32", "bf16_g32_bn16"])
+def test_linear_decode_matches_aten(dtype, group, block_n):
+    # head_dim 128: two V groups per row at group 64, four at group 32 (the per-word group
+    # broadcast); four, two and one key tiles per K block; depths 0..3 (no residual up to
+    # three); two kv heads and two batch rows of different lengths (the residual K parameters
+    # are per depth, row and head). The interpreter's cost is per operation: four cases.
+    cache = _cache(dtype, group)
+    flushed = cache.op_tensors(0)[P.CACHE_NAMES.index("flushed")]
+    assert flushed.min().item() >= 64  # every row has a flushed bulk at every depth
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    ki = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    vi = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    ipos = torch.tensor(LENGTHS)[:, None]
+    for depth in range(R):
+        ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, depth, *cache.op_tensors(0), 0.1)
+        out = torch.empty_like(q)
+        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2,
+                                  tuning={"linear": True, "block_n": block_n})
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
