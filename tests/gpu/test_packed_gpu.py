@@ -189,8 +189,8 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2, "maxnreg": 128}],
-                         ids=["defaults", "bn16_maxnreg"])
+@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2, "maxnreg": 128}, {"linear": True}],
+                         ids=["defaults", "bn16_maxnreg", "linear"])
 def test_torch_compile_fullgraph(fast_decode, monkeypatch):
     # the bulk kernel with maxnreg launches through a one-config autotuner under wrap_triton
     from flashloop_compile.lowering.kernels import packed_kv as K
@@ -215,8 +215,16 @@ def test_torch_compile_fullgraph(fast_decode, monkeypatch):
             outs.append(torch.ops.flashloop.packed_attention(q, fk, fv, pos, fpos, d, *cache_tensors, 0.088))
         return outs
 
+    ref = []  # the ATen bodies on a copy of the cache: the variant's numerics on the GPU
+    ca = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    for src, dst in zip(ce.op_tensors(0), ca.op_tensors(0)):
+        dst.copy_(src)
+    for d, (k, v, pos, fk, fv, fpos) in enumerate(step):
+        P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
+        ref.append(P.packed_attention_aten(q, fk, fv, pos, fpos, d, *ca.op_tensors(0), 0.088))
     eager = f(ce.op_tensors(0), q, step)
     compiled = torch.compile(f, fullgraph=True)(cc.op_tensors(0), q, step)
-    for x, y in zip(compiled, eager):
+    for x, y, r in zip(compiled, eager, ref):
         torch.testing.assert_close(x.float(), y.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(y.float(), r.float(), atol=1e-2, rtol=1e-2)
     _assert_same(ce, cc, "compiled decode step")
