@@ -1111,8 +1111,9 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # Launch parameters of one-query-row decode (_decode_bulk_kernel for the flushed bulk, split
 # NSTORED in _attn_kernel): the best of `benchmarks/bench_packed_decode.py --sweep` on the H200
 # (session 5, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, cp.async with 2 stages, four
-# waves of splits; 275/375/971/1372 us, 1.26-1.56x faster than the fused fast path it replaced;
-# benchmarks/RESULTS.md). "maxnreg": a register cap for the bulk kernel (None: ptxas decides).
+# waves of splits; 275/375/971/1372 us, 1.24-1.54x faster than the best variant of the fused fast
+# path it replaced; benchmarks/RESULTS.md). "maxnreg": a register cap for the bulk kernel (None:
+# ptxas decides). "linear": the code-domain variant of the bulk kernel (opt-in until timed).
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 2, "waves": 4, "maxnreg": None, "linear": False,
