@@ -50,3 +50,23 @@ def test_maxnreg_reaches_the_bulk_kernel_through_its_pinned_config():
     assert bulk["kernel"].endswith("[_decode_bulk_kernel]")
     assert bulk["regs"] <= 128 and bulk["spill_ops"] == 0 and bulk["warps_per_sm"] == 16, bulk
     assert bulk["loads"].get("LDGSTS.E.64", 0) > 0  # the base codes arrive by cp.async (pipelined)
+
+
+@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
+def test_linear_decode_kernel_at_depth_three_holds_twelve_warps_per_sm():
+    # The code-domain variant's point: fewer instructions and registers per decoded element. At
+    # the default tuning and depth 3 the reconstructing kernel needs 186 registers (8 warps per
+    # SM); the linear one 168 (12), with fewer instructions in all.
+    def report(tuning):
+        run = subprocess.run(
+            [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json", "--depth", "3",
+             "--tuning", json.dumps(tuning)],
+            cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.splitlines()[0])
+
+    old, linear = report({}), report({"linear": True})
+    assert linear["kernel"].endswith("[_decode_bulk_kernel]")
+    assert linear["spill_ops"] == 0 and linear["warps_per_sm"] >= 12, linear
+    assert linear["instructions"] < old["instructions"], (linear["instructions"], old["instructions"])
