@@ -123,7 +123,7 @@ def release(model) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak()
 
 
 def allocated_gb() -> float | None:
@@ -492,7 +492,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batch-steps", type=int, default=16, help="timed decode steps at the largest batch")
     ap.add_argument("--max-batch-retries", type=int, default=2, help="smaller batches to try when the accounted one runs out of memory")
     ap.add_argument("--budget-gb", type=float, default=None, help="GiB for weights + KV + reserve (default: the device's memory)")
-    ap.add_argument("--reserve-gb", type=float, default=8.0, help="GiB kept for activations and scratch")
+    ap.add_argument("--reserve-gb", type=float, default=8.0, help="GiB kept for activations (decode scratch is counted per request)")
     ap.add_argument("--fill-chunk", type=int, default=4096, help="positions per packed write of the synthetic fill")
     ap.add_argument("--deadline", type=float, default=540)
     ap.add_argument("--min-item-s", type=float, default=90,

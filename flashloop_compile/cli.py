@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--context", type=int, default=32768)
     m.add_argument("--new-tokens", type=int, default=256)
     m.add_argument("--budget-gb", type=float, default=139.0)
-    m.add_argument("--reserve-gb", type=float, default=8.0, help="activations and scratch")
+    m.add_argument("--reserve-gb", type=float, default=8.0, help="activations (decode scratch is counted per request)")
     m.set_defaults(func=cmd_memory)
 
     b = sub.add_parser("bench", help="prefill / decode / end-to-end grid: dense, each feature, all on (same run)")

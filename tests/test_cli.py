@@ -67,7 +67,7 @@ def test_memory_reports_ratios_and_max_batch(capsys):
 
 def test_capacity_planning_counts_decode_scratch_per_slot():
     # sparse decode + quantization reads a layer's whole history into BF16 K/V per step (and
-    # writes an FP32 probability row per query head): on the H200 that, not the cache, ran out
+    # writes an FP32 probability row per query head): the allocation that failed on the H200
     model = PRESETS["ouro-1.4b"]
     one = kv_memory(model, FlashLoopConfig.all_on(), 1, 33024, max_new_tokens=256)
     assert one.scratch == 16 * 33024 * 4 + 2 * 16 * 33024 * 128 * 2

@@ -90,8 +90,8 @@ def decode_scratch_bytes(
     decode's reference writes an FP32 probability row per query head; with quantization it also
     reads the layer's whole history into BF16 K and V (``flashloop.packed_read``). Dense decode
     attends in place. Capacity planning adds this per slot: at 32K context it is 0.25 GiB per
-    request next to 4.24 GiB of packed cache (all features on, ouro-1.4b), and was what the
-    first max-batch run on the H200 ran out of."""
+    request next to 4.24 GiB of packed cache (all features on, ouro-1.4b); the allocation that
+    failed in the first max-batch run on the H200 (batch 30) was one layer's BF16 K of this read."""
     if not config.sparse_decode_attention.enabled:
         return 0
     scratch = max_batch * model.num_attention_heads * max_seq * 4

@@ -1232,8 +1232,9 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
         k_in = v_in = out_k.new_empty(Bc, H, 0, D)
     else:
         ip, k_in, v_in = inflight
-    # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
-    lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((Bc,), S)
+    lim = positions  # read only by the bulk tile test
+    if bulk:  # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
+        lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((Bc,), S)
     if bulk:
         wrap(_read_bulk_kernel)[grid](
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
