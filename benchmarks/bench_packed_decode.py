@@ -137,15 +137,20 @@ def stats(times: list[float]) -> dict:
 
 SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's launch parameters
     ("generic", {"fast": False, "tuning": {"enabled": False}}),
-    # _decode_bulk_kernel at the points scripts/kernel_report.py picks: no spills, 8-16 resident
-    # warps per SM, cp.async pipelining with stages 2-3 (rNNN: maxnreg); session 5's best: bn32 w4 s2 x4
+    # the reconstructing _decode_bulk_kernel ("linear": False) at the points scripts/kernel_report.py
+    # picks: no spills, 8-16 resident warps per SM, cp.async with stages 2-3 (rNNN: maxnreg);
+    # session 5's best: bn32 w4 s2 x4 (the default then)
     *[(f"fast bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
-       {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv}})
-      for bn, w, st, mr, wv in ((16, 4, 2, None, 4), (16, 4, 3, 128, 4), (32, 4, 1, None, 4), (32, 4, 2, None, 4),
-                                (32, 4, 2, None, 2), (32, 4, 3, None, 4), (32, 4, 2, 128, 4), (64, 4, 2, None, 4))],
-    # the code-domain variant (FAST_DECODE "linear"): 26-43% fewer loop instructions at stages 2
-    *[(f"fast linear bn{bn} w4 s{st} x4", {"tuning": {"block_n": bn, "num_stages": st, "linear": True}})
-      for bn, st in ((16, 2), (32, 2), (32, 3))],
+       {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv, "linear": False}})
+      for bn, w, st, mr, wv in ((16, 4, 3, 128, 4), (32, 4, 2, None, 4), (32, 4, 3, None, 4), (64, 4, 2, None, 4))],
+    # the code-domain kernel (FAST_DECODE "linear", the default since session 6: bn32 w4 s3 x4,
+    # 1.5-1.65x the reconstructing kernel's best); around it: tile, stages, waves, warps. sm_90
+    # compile (kernel_report): bn32 s3 218 registers at depth 3 (8 warps/SM), r168 12 warps/SM
+    # with 3 spill ops at depth 3, bn64 w4 spills at depth 3 (so only bn64 w8)
+    *[(f"fast linear bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
+       {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv, "linear": True}})
+      for bn, w, st, mr, wv in ((16, 4, 3, None, 4), (32, 4, 2, None, 4), (32, 4, 3, None, 4), (32, 4, 4, None, 4),
+                                (32, 4, 3, None, 8), (32, 4, 3, 168, 4), (64, 8, 3, None, 4))],
     # packed_read (sparse decode under quantization), generic vs PACKED_READ "bulk": the whole
     # history (loop 2's reference) and 10% scattered keys per head (a correction's selection, sorted
     # as the top-k positions are not: order does not matter to either kernel); not attention

@@ -99,3 +99,18 @@ def test_generate_bench_on_cpu_runs_the_shapes_then_the_max_batch_search(tmp_pat
     assert [r["kind"] for r in rows] == ["start", "generate", "generate", "max_batch_accounting", "max_batch", "max_batch_next"]
     items = [r for r in rows if r["kind"] not in ("start", "max_batch_accounting")]
     assert all(r["allocated_at_start_gb"] is None and r["item_s"] > 0 for r in items)  # None: the CPU
+
+
+def test_generate_summary_models_end_to_end_when_the_deadline_cut_the_decode(capsys):
+    # session 6: 4x32K+256 all on ran 61 of 256 tokens; the measured e2e ratio would compare 61
+    # tokens with dense's 256, so it is None and the summary gives TTFT + 255 TPOT on both sides
+    bench = bench_generate.Bench(bench_generate.parse_args(["--preset", "tiny", "--dtype", "float32"]))
+    dense = {"ttft_ms": 13353.1, "tpot_ms": 29.99, "throughput_tok_s": 48.7, "kv_bytes": 6 * 2**30,
+             "new_tokens": 256, "new_tokens_asked": 256}
+    on = {**dense, "ttft_ms": 8750.3, "tpot_ms": 56.19, "kv_bytes": 2**30, "new_tokens": 61}
+    on["speedup_vs_dense"] = {"end_to_end": None, "tpot": 29.99 / 56.19,
+                              "end_to_end_model": bench_generate._modelled_s(dense, 256) / bench_generate._modelled_s(on, 256)}
+    bench.done = {("4x32768+256", "dense"): {"row": dense}, ("4x32768+256", "all_on"): {"row": on}}
+    bench.summary()
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "e2e (TTFT + 255 TPOT) 0.91x" in line and "(61 of 256 tokens run)" in line, line

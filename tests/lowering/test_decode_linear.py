@@ -38,12 +38,14 @@ def _cache(dtype: torch.dtype, group: int) -> PackedKVCache:
 
 @pytest.mark.parametrize("dtype, group, block_n", [
     (torch.float32, 64, 16), (torch.float32, 64, 32), (torch.float32, 32, 32), (torch.bfloat16, 32, 16),
-], ids=["fp32_g64_bn16", "fp32_g64_bn32", "fp32_g32_bn32", "bf16_g32_bn16"])
+    (torch.float32, 64, 64),
+], ids=["fp32_g64_bn16", "fp32_g64_bn32", "fp32_g32_bn32", "bf16_g32_bn16", "fp32_g64_bn64"])
 def test_linear_decode_matches_aten(dtype, group, block_n):
     # head_dim 128: two V groups per row at group 64, four at group 32 (the per-word group
     # broadcast); four, two and one key tiles per K block; depths 0..3 (no residual up to
     # three); two kv heads and two batch rows of different lengths (the residual K parameters
-    # are per depth, row and head). The interpreter's cost is per operation: four cases.
+    # are per depth, row and head); a 64-key tile (the sweep's bn64 points). The interpreter's
+    # cost is per operation: five cases.
     cache = _cache(dtype, group)
     flushed = cache.op_tensors(0)[P.CACHE_NAMES.index("flushed")]
     assert flushed.min().item() >= 64  # every row has a flushed bulk at every depth

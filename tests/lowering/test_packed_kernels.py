@@ -77,7 +77,7 @@ def test_write_read_attention_match_aten(dtype):
                 q1 = torch.randn(pos.shape[0], H, 1, D, generator=g).to(dtype)
                 ref1 = P.packed_attention_aten(q1, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
                 variants = (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 16}),
-                            dict(num_splits=2, tuning={"num_stages": 1}))
+                            dict(num_splits=2, tuning={"num_stages": 1}), dict(num_splits=3, tuning={"linear": False}))
                 for kw in variants:
                     out = attention_kernel(ck, 0, q1, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref1.float(), atol=tol, rtol=tol)
@@ -175,7 +175,8 @@ def test_overflow_matches_aten():
     assert ck.overflow.item() == 1
 
 
-@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "num_stages": 1}], ids=["defaults", "bn16_stages1"])
+@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "num_stages": 1}, {"linear": False}, {"block_n": 16, "linear": False}],
+                         ids=["defaults", "bn16_stages1", "reconstructing", "reconstructing_bn16"])
 def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
     # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
     # 1-2 on a nested subset (absent rows inherit), one decode token at each depth
@@ -185,6 +186,7 @@ def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
 def test_decode_bulk_kernel_with_four_v_groups_per_row():
     # group 32 at head_dim 128: the bulk kernel's general (reshape) broadcast of V parameters
     _fast_decode_case({"block_n": 16}, group=32)
+    _fast_decode_case({"block_n": 16, "linear": False}, group=32)
 
 
 def _fast_decode_case(tuning, group):

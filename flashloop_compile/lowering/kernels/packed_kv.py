@@ -1110,13 +1110,16 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 
 # Launch parameters of one-query-row decode (_decode_bulk_kernel for the flushed bulk, split
 # NSTORED in _attn_kernel): the best of `benchmarks/bench_packed_decode.py --sweep` on the H200
-# (session 5, B=1/4 x 32K, depths 1 and 3: 32-key tiles, 4 warps, cp.async with 2 stages, four
-# waves of splits; 275/375/971/1372 us, 1.24-1.54x faster than the best variant of the fused fast
-# path it replaced; benchmarks/RESULTS.md). "maxnreg": a register cap for the bulk kernel (None:
-# ptxas decides). "linear": the code-domain variant of the bulk kernel (opt-in until timed).
+# (session 6, B=1/4 x 32K, depths 1 and 3): the code-domain ("linear") kernel, 32-key tiles,
+# 4 warps, cp.async with 3 stages, four waves of splits: 165/234/515/802 us at B1/B4 x depth 1/3;
+# 1.5-1.65x faster than the reconstructing kernel's best point in the same run (bn64 w4 s2), 1.6-1.9x
+# than its session-5 default (bn32 w4 s2, itself 1.24-1.54x over the fused fast path it replaced);
+# benchmarks/RESULTS.md. "linear": False takes the reconstructing kernel (K/V rounded to the
+# compute dtype before the products, as the reference; the linear kernel skips that rounding:
+# equal up to FP32 rounding in FP32, within bf16 tolerance in BF16). "maxnreg": a register cap for the bulk kernel (None: ptxas decides).
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
-    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 2, "waves": 4, "maxnreg": None, "linear": False,
+    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4, "maxnreg": None, "linear": True,
 }, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
