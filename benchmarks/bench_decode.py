@@ -6,9 +6,12 @@ BF16 K/V for `context` positions (the packed cache is written from the same valu
 packed write op), every row decodes at position context-1, and each configuration's forward is
 captured in a CUDA graph and replayed (median of repeats, CUDA events). Reported per row: step
 time, speedup vs dense, the bytes a step must read (weights once per loop + KV), that floor at the
-measured copy bandwidth, and the achieved share of it.
+measured copy bandwidth, and the achieved share of it. With ``--profile N``, N more replays run
+under the profiler after the timing (which they never touch): device time per kernel bucket and the
+top kernels per step, in the row's "profile" (CPU op self time on CPU smoke runs).
 
     python benchmarks/bench_decode.py --shapes 1x32768,4x32768 --deadline 480
+    python benchmarks/bench_decode.py --shapes 4x32768 --configs dense,sparse+quant --no-dense-whole --profile 3
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 import gc
 import sys
 import time
+from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,6 +35,92 @@ CONFIGS = {
     "sparse": {"sparse_decode_attention.enabled": True},
     "sparse+quant": {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True},
 }
+
+
+# (bucket, name substrings), first match wins (case-insensitive): CUDA kernel names, and on CPU the
+# ops' names (flashloop::*_aten bodies, aten ops, Inductor's compiled graphs). SDPA first (flash's
+# split-KV combine kernel ends in _combine_kernel), then Inductor's fusions (named after the ops they
+# fuse: index_select, ...), the sparse kernels' combines before the packed one.
+BUCKETS = (
+    ("sdpa", ("flash_fwd", "fmha", "sdpa", "scaled_dot_product", "efficient_attention")),
+    ("inductor", ("triton_", "cpp_fused", "compiledfxgraph")),
+    ("correction", ("_correction", "correction_attention")),
+    ("ref_pv", ("_pv_kernel", "_pv_combine")),
+    ("ref_select", ("_select_first", "_select_level", "_select_compact")),
+    ("ref_scores", ("_scores_kernel", "reference_attention")),
+    ("decode_bulk", ("_decode_bulk_kernel",)),
+    ("packed_attn", ("_attn_kernel", "packed_attention")),
+    ("packed_combine", ("_combine_kernel",)),
+    ("read_bulk", ("_read_bulk_kernel",)),
+    ("read", ("_read_kernel", "packed_read")),
+    ("write", ("packed_kv_write", "_write", "_flush")),
+    ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
+)
+
+
+def bucket(name: str) -> str:
+    """The BUCKETS entry of a kernel (or CPU op) name; "other" where none matches."""
+    low = name.lower()
+    return next((b for b, subs in BUCKETS if any(x in low for x in subs)), "other")
+
+
+def _profiled_us(step, n: int) -> dict[str, tuple[float, int]]:
+    """(microseconds, count) per name over ``n`` calls of ``step``: kernel device time on CUDA
+    (GPU copies of record_function ranges left out), op self time on CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        sync()
+    if cuda:
+        return {e.key: (e.device_time_total, e.count) for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.device_time_total > 0}
+    return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0}
+
+
+def kernel_profile(replay, eager, n: int, step_ms: float) -> dict:
+    """Per-step time, share and launches of each bucket and of the top 15 names over ``n`` calls of
+    ``replay`` (the timed CUDA graph); ``eager`` (the compiled step, no graph) is profiled instead
+    where the replays show no kernels. ``step_ms``: the timed step, for the share the kernels cover."""
+    cuda = torch.cuda.is_available()
+    source, times = ("graph" if cuda else "cpu"), _profiled_us(replay, n)
+    if cuda and not times:
+        source, times = "eager (graph replay not traced)", _profiled_us(eager, n)
+    total = sum(us for us, _ in times.values())
+    if total <= 0:
+        what = "no kernel events (neither the graph replays nor an eager call traced)" if cuda else "no CPU op events"
+        return {"error": what, "replays": n}
+    per = defaultdict(lambda: [0.0, 0])
+    for name, (us, count) in times.items():
+        acc = per[bucket(name)]
+        acc[0] += us
+        acc[1] += count
+
+    def entry(us: float, count: int) -> dict:
+        return {"ms": us / n / 1e3, "share": us / total, "launches": count / n}
+
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:15]
+    return {
+        "source": source, "time": "device" if cuda else "cpu_self", "replays": n,
+        "ms": total / n / 1e3, "share_of_step": total / n / 1e3 / step_ms,
+        "buckets": {b: entry(*v) for b, v in sorted(per.items(), key=lambda kv: -kv[1][0])},
+        "top": [{"name": name[:200], "bucket": bucket(name), **entry(*v)} for name, v in top],
+    }
+
+
+def print_profile(name: str, shape: str, prof: dict) -> None:
+    """The profile's buckets as a short table under the config's row."""
+    if "error" in prof:
+        print(f"  profile {name} {shape}: {prof['error']}", flush=True)
+        return
+    print(f"  profile {name} {shape} ({prof['source']}, {prof['time']} time, {prof['replays']} replays): "
+          f"{prof['ms']:.3f} ms/step = {prof['share_of_step']:.0%} of the timed step", flush=True)
+    for b, e in prof["buckets"].items():
+        print(f"    {b:<15} {e['ms']:9.3f} ms {e['share']:6.1%} {e['launches']:7.1f} launches", flush=True)
 
 
 def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: int, loops: int) -> float:
@@ -88,6 +179,8 @@ def main() -> None:
                     help="also time dense compiled as one whole graph (plain inductor) at the first shape")
     ap.add_argument("--deadline", type=float, default=480)
     ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each config's timing, N more replays under the profiler: time per kernel bucket")
     args = ap.parse_args()
     deadline = Deadline(args.deadline)
 
@@ -131,7 +224,7 @@ def main() -> None:
                 if options.get("kv_residual_quantization.enabled"):
                     fill_packed(model, s - 1)
                 with torch.no_grad():
-                    timing, _ = graph_replay_ms(lambda: fn(*inputs))
+                    timing, _, replay = graph_replay_ms(partial(fn, *inputs))
             except torch.cuda.OutOfMemoryError as e:
                 record("decode", {"kind": "oom", "shape": shape, "config": name, "error": str(e)[:200]})
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -147,7 +240,7 @@ def main() -> None:
             if name.startswith("dense"):
                 dense_ms[name] = ms
             best_dense = min(dense_ms.values()) if dense_ms else None
-            record("decode", {
+            row = {
                 "kind": "decode_step", "preset": args.preset, "batch": b, "context": s, "config": name,
                 "options": options, "ms": ms, "p10_ms": timing["p10_ms"], "p90_ms": timing["p90_ms"],
                 "speedup_vs_dense": (best_dense / ms) if best_dense else None,
@@ -156,8 +249,16 @@ def main() -> None:
                 "achieved_gbs": (weight_bytes * cfg.num_loops + kv) / (ms * 1e-3) / 1e9,
                 "trace_s": trace_s, "compile_s": compile_s, "report": str(report),
                 "max_memory_gb": (torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None),
-            })
-            del fn, out
+            }
+            if args.profile > 0:  # after the timing and the row's measurements: they never see it
+                try:
+                    row["profile"] = kernel_profile(replay, partial(fn, *inputs), args.profile, ms)
+                except Exception as e:  # a profiler failure must not cost the timed row
+                    row["profile"] = {"error": error_text(e)}
+            record("decode", row)
+            if "profile" in row:
+                print_profile(name, shape, row["profile"])
+            del fn, out, replay
         del gm, inputs
     print("done", flush=True)
 

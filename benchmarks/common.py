@@ -107,10 +107,11 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     return 2 * (nbytes // 2) / (t * 1e-3) / 1e9
 
 
-def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, float], Any]:
-    """Capture ``fn`` in a CUDA graph (after warm-up on a side stream) and time its replays."""
+def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, float], Any, Callable[[], Any]]:
+    """Capture ``fn`` in a CUDA graph (after warm-up on a side stream) and time its replays; also
+    returns the graph's output and its replay (``fn`` itself on CPU), e.g. for a profile."""
     if not torch.cuda.is_available():
-        return cuda_time_ms(fn, warmup=1, repeat=min(repeat, 3)), fn()
+        return cuda_time_ms(fn, warmup=1, repeat=min(repeat, 3)), fn(), fn
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -120,7 +121,7 @@ def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
-    return cuda_time_ms(graph.replay, warmup=3, repeat=repeat), out
+    return cuda_time_ms(graph.replay, warmup=3, repeat=repeat), out, graph.replay
 
 
 def error_text(e: BaseException) -> str:

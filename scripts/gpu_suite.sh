@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_suite.sh              # everything, in priority order, 540 s
 #   SUITE=decode SHAPES=4x32768 bash scripts/gpu_suite.sh
+#   SUITE=decode SHAPES=4x32768 DECODE_ARGS="--no-dense-whole --profile 3" bash scripts/gpu_suite.sh  # + 3 profiled
+#     replays per config: device ms per kernel bucket (rows' "profile" in $OUT/decode.jsonl, tables in decode.log)
 #   SUITE=diag,ops,prefill PREFILL_SHAPES=1x8192,1x4096 bash scripts/gpu_suite.sh   # stages: diag tests sweep ops decode prefill generate
 #   FLASHLOOP_FAST_DECODE='{...}' SUITE=generate bash scripts/gpu_suite.sh                # issue 7's run, with a tuning
 #

@@ -4,7 +4,9 @@ to the compiled function (a negative size at the first dynamic-shape call), and 
 enabled (training graphs: saved activations and a copy of every mutated cache).
 
 bench_generate.py: its work order and its items' memory bookkeeping. On the H200 its max-batch
-search ran between the shapes and every later item ran out of memory (memory was not released)."""
+search ran between the shapes and every later item ran out of memory (memory was not released).
+
+bench_decode.py --profile: the per-kernel breakdown's buckets and its row (CPU op self time here)."""
 
 import json
 import os
@@ -17,6 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_decode  # noqa: E402
 import bench_generate  # noqa: E402
 import common  # noqa: E402
 from common import capture_graph, compile_variant  # noqa: E402
@@ -114,3 +117,39 @@ def test_generate_summary_models_end_to_end_when_the_deadline_cut_the_decode(cap
     bench.summary()
     line = capsys.readouterr().out.splitlines()[1]
     assert "e2e (TTFT + 255 TPOT) 0.91x" in line and "(61 of 256 tokens run)" in line, line
+
+
+def test_decode_profile_buckets_kernel_names():
+    names = {
+        "_decode_bulk_kernel": "decode_bulk", "_attn_kernel": "packed_attn", "_combine_kernel": "packed_combine",
+        "_read_bulk_kernel": "read_bulk", "_read_kernel": "read", "_write_flush_kernel": "write",
+        "_write_tail_kernel": "write", "_scores_kernel": "ref_scores", "_select_level_kernel": "ref_select",
+        "_pv_kernel": "ref_pv", "_pv_combine_kernel": "ref_pv", "_correction_combine_kernel": "correction",
+        "void pytorch_flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128>>": "sdpa",
+        "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "GEMM", "sm90_xmma_gemm_bf16bf16_bf16f32": "GEMM",
+        "triton_poi_fused_index_select_0": "inductor", "triton_red_fused__to_copy_add_mean_1": "inductor",
+        "flashloop::packed_kv_write_aten": "write", "flashloop::packed_attention_aten": "packed_attn",
+        "aten::mm": "GEMM", "Memcpy DtoD (Device -> Device)": "other",
+    }
+    assert {n: bench_decode.bucket(n) for n in names} == names
+
+
+def test_decode_bench_on_cpu_records_a_profile_of_the_step(tmp_path):
+    args = ["--preset", "tiny", "--dtype", "float32", "--shapes", "1x64", "--configs", "sparse+quant",
+            "--no-dense-whole", "--profile", "2"]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *args], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "decode.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r["kind"] == "decode_step"]
+    prof = row.get("profile")
+    assert prof and "error" not in prof, prof
+    assert prof["source"] == "cpu" and prof["replays"] == 2 and prof["ms"] > 0
+    buckets = prof["buckets"]
+    assert sum(b["ms"] for b in buckets.values()) > 0
+    assert all(0 <= b["share"] <= 1 and b["launches"] > 0 for b in buckets.values())
+    assert abs(sum(b["share"] for b in buckets.values()) - 1) < 1e-6
+    assert {"packed_attn", "write", "GEMM"} <= set(buckets), buckets  # the flashloop ops by name
+    assert 0 < len(prof["top"]) <= 15
+    assert "profile sparse+quant 1x64 (cpu" in run.stdout
