@@ -166,6 +166,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
         _, keys, count, mass, o_ref, c_ref = refs[0]
         run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
+        t = _decode_setup(B, S)[0]  # the packed reference: scores and PV decode the flushed bulk themselves
+        packed = (t, depth, torch.full((B,), S - 1, dtype=torch.int64))
+        run("sparse packed reference B4 32K",
+            lambda: SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps, packed=packed))
     if only in (None, "read"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
         grid_pos = torch.arange(32768)[None].expand(4, -1)

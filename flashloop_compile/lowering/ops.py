@@ -117,7 +117,8 @@ def _(q, k, v, mask, scale, fractions, capacities):
 
 
 @_reference_attention_op.register_fake
-def _(q, k, v, mask, scale, fractions, capacities):
+def reference_fake(q, k, v, mask, scale, fractions, capacities):
+    """Shape contract of ``reference_attention`` (also the packed reference's)."""
     _check_attention_inputs(q, k, v, mask)
     torch._check(len(fractions) == len(capacities) and len(fractions) >= 1, lambda: "one capacity per key fraction")
     for cap in capacities:

@@ -56,11 +56,13 @@ __all__ = [
     "packed_kv_write",
     "packed_read",
     "packed_attention",
+    "packed_reference_attention",
     "no_inflight",
     "overlay_inflight",
     "packed_kv_write_aten",
     "packed_read_aten",
     "packed_attention_aten",
+    "packed_reference_attention_aten",
 ]
 
 LIB = "flashloop"
@@ -170,6 +172,17 @@ def _read_fake(*args):
     shape = (positions.shape[0], H, positions.shape[-1], D)
     cdt = cache[12].dtype
     return cache[0].new_empty(shape, dtype=cdt), cache[0].new_empty(shape, dtype=cdt)
+
+
+def _reference_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
+    from flashloop_compile.lowering.ops import reference_fake
+
+    *cache, mask, scale, fractions, capacities = rest
+    B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
+    torch._check(q.dim() == 4 and q.shape[0] <= B, lambda: f"q must be [B <= {B}, Hq, T, D], got {tuple(q.shape)}")
+    whole = torch.empty(q.shape[0], S, dtype=torch.int64, device=q.device)
+    k, _ = _read_fake(*cache, whole, depth, inflight_positions, k_inflight, v_inflight)
+    return reference_fake(q, k, k, mask, scale, fractions, capacities)
 
 
 def _attention_fake(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *rest):
@@ -338,6 +351,18 @@ def packed_read_aten(*args) -> tuple[Tensor, Tensor]:
             overlay_inflight(out_v, positions, inflight_positions, v_inflight))
 
 
+def packed_reference_attention_aten(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
+    """ATen body of ``flashloop::packed_reference_attention``: sparse decode's loop-2 reference
+    (``reference_attention``) over the whole history at ``depth`` as ``packed_read`` returns it
+    (positions 0..S-1, this step's tokens in flight)."""
+    from flashloop_compile.lowering.ops import _reference_attention_aten
+
+    *cache, mask, scale, fractions, capacities = rest
+    grid = torch.arange(cache[0].shape[2], device=q.device)[None].expand(q.shape[0], -1)
+    k, v = packed_read_aten(*cache, grid, depth, inflight_positions, k_inflight, v_inflight)
+    return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
+
+
 def overlay_inflight(stored: Tensor, positions: Tensor, inflight_positions: Tensor, rows: Tensor) -> Tensor:
     """stored [B, H, P, D] read at positions [B, P] or [B, H, P], with every entry at one of this
     step's positions (inflight_positions [B, T], -1 = padding) replaced by that token's row of
@@ -447,6 +472,37 @@ def _packed_attention(
     return out
 
 
+@torch.library.triton_op(f"{LIB}::packed_reference_attention", mutates_args=())
+def _packed_reference_attention(
+    q: T_, inflight_positions: T_, k_inflight: T_, v_inflight: T_, depth: int,
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    mask: T_, scale: float, fractions: list[float], capacities: list[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    inflight = (inflight_positions, k_inflight, v_inflight)
+    if q.device.type != "cuda":
+        return torch.ops.flashloop.packed_reference_attention_aten(q, *inflight, depth, *cache, mask, scale, fractions, capacities)
+    from flashloop_compile.lowering.kernels.sparse_decode import reference_attention_triton
+
+    K = _kernels()
+    S, D = k_base.shape[2], 2 * k_base.shape[3]
+    grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
+    k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
+    v = torch.empty_like(k)
+    fused = bool(K.PACKED_REFERENCE["fused"])
+    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=torch.library.wrap_triton, skip_bulk=fused)
+    packed = None
+    if fused:
+        ip = inflight_positions
+        lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((q.shape[0],), S)
+        packed = (cache, depth, lim)
+    return reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
+
+
 # Opaque twins with the ATen bodies: what a CPU trace (torch.compile on CPU) records.
 def _twin_schema(op) -> str:
     schema = str(op._opoverload._schema)
@@ -462,15 +518,21 @@ _packed_read_aten_op = torch.library.custom_op(
 _packed_attention_aten_op = torch.library.custom_op(
     f"{LIB}::packed_attention_aten", packed_attention_aten, mutates_args=(), schema=_twin_schema(_packed_attention)
 )
+_packed_reference_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_reference_attention_aten", packed_reference_attention_aten, mutates_args=(),
+    schema=_twin_schema(_packed_reference_attention),
+)
 
 for _op, _aten, _fake in (
     (_packed_kv_write, packed_kv_write_aten, _write_fake),
     (_packed_read, packed_read_aten, _read_fake),
     (_packed_attention, packed_attention_aten, _attention_fake),
+    (_packed_reference_attention, packed_reference_attention_aten, _reference_fake),
 ):
     _op.register_kernel("cpu")(_aten)
     _op.register_fake(_fake)
-for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_op, _read_fake), (_packed_attention_aten_op, _attention_fake)):
+for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_op, _read_fake),
+                   (_packed_attention_aten_op, _attention_fake), (_packed_reference_aten_op, _reference_fake)):
     _op.register_fake(_fake)
 
 
@@ -494,6 +556,17 @@ def packed_read(
     if inflight is None:
         inflight = no_inflight(cache, positions.shape[0], positions.device)
     return torch.ops.flashloop.packed_read(*cache.op_tensors(layer), positions, int(depth), *inflight)
+
+
+def packed_reference_attention(
+    cache: PackedKVCache, layer: int, q: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, mask: Tensor,
+    scale: float, fractions: list[float], capacities: list[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Sparse decode's loop-2 reference (``reference_attention``'s outputs) over ``cache``'s whole
+    history at ``depth``, this step's tokens ``inflight`` = (positions [B, Ti], k, v) exactly."""
+    return torch.ops.flashloop.packed_reference_attention(
+        q, *inflight, int(depth), *cache.op_tensors(layer), mask, float(scale), list(fractions), list(capacities)
+    )
 
 
 def no_inflight(cache: PackedKVCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:

@@ -7,13 +7,12 @@ At each attention site (loop d, layer i) with an in-place cache:
 - dense attention (SDPA, or token-sparse loops' ``position_attention``) becomes
   ``flashloop.packed_attention``: the stored prefix read straight from the packed tiles, the
   step's own tokens exactly (in flight);
-- the sparse-decode ops take K/V tensors: loop 2's reference (which attends to every key) gets
-  the whole history from ``flashloop.packed_read``; a correction at loops 3..R reads only the keys
+- loop 2's reference (which attends to every key) becomes ``flashloop.packed_reference_attention``
+  over the whole history at its depth (the packed tiles, the step's tokens in flight); a
+  correction at loops 3..R (an op that takes K/V tensors) reads only the keys
   its reference selected, per kv head (``packed_read`` of [B, Hkv, P] positions, P = query heads
-  per kv head x query rows x key capacity), and indexes that compact read. Either way the read
-  returns the step's own tokens as their exact in-flight K/V (its in-flight arguments: no merge
-  after the read, no copy of the whole history). (Reading the packed tiles inside the reference
-  kernel itself is future work.)
+  per kv head x query rows x key capacity), and indexes that compact read. Either way the step's
+  own tokens are their exact in-flight K/V (in-flight arguments: no merge after a read).
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
 in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
@@ -37,7 +36,7 @@ from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, 
 from flashloop_compile.passes.sparse_decode import site_scale
 
 __all__ = [
-    "KVResidualQuantizationPass", "mask_positions", "scatter_tokens", "full_positions",
+    "KVResidualQuantizationPass", "mask_positions", "scatter_tokens",
     "selected_positions", "local_keys",
 ]
 
@@ -52,11 +51,6 @@ def scatter_tokens(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) 
     """base [B, H, T, D] with tokens index[b, k] replaced by rows [B, H, K, D] (a new tensor)."""
     idx = index[:, None, :, None].expand(-1, base.shape[1], -1, base.shape[3])
     return torch.scatter(base, 2, idx, rows.to(base.dtype))
-
-
-def full_positions(like: torch.Tensor, max_seq: int) -> torch.Tensor:
-    """[B, S] positions 0..S-1 for every row."""
-    return torch.arange(max_seq, device=like.device)[None].expand(like.shape[0], -1)
 
 
 def selected_positions(keys: torch.Tensor, count: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -103,7 +97,9 @@ class KVResidualQuantizationPass(FlashLoopPass):
         return [
             f"{n} cache writes -> flashloop.packed_kv_write (INT4 base at loop 1, INT4 residuals at loops "
             f"2..{structure.num_loops}, group {q.group_size}, BF16 tail {q.tail}..{q.tail + q.group_size - 1})",
-            f"{n} attention sites read the packed cache directly (flashloop.packed_attention)",
+            f"{n} attention sites read the packed cache directly (flashloop.packed_attention; under sparse decode "
+            f"the loop-2 reference becomes flashloop.packed_reference_attention, its corrections read the selected "
+            f"keys through flashloop.packed_read)",
         ]
 
     def apply(self, gm: fx.GraphModule, structure: LoopStructure) -> int:
@@ -118,7 +114,6 @@ class KVResidualQuantizationPass(FlashLoopPass):
             for i in range(structure.num_layers)
         ]
         buffers = {s.cache.k_buffer for s in structure.sites} | {s.cache.v_buffer for s in structure.sites}
-        max_seq = packed.max_seq
         inflight: dict[tuple[int, int], tuple[fx.Node, fx.Node]] = {}
         masked: dict[fx.Node, fx.Node] = {}  # one mask_positions per positions node
         for site in structure.sites:
@@ -170,17 +165,15 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 consumer.args = tuple(args)
                 after = consumer
             elif name == "flashloop.reference_attention":
+                q_ref, _k, _v, mask, scale, fractions, capacities = consumer.args
                 with graph.inserting_before(consumer):
-                    grid = graph.call_function(full_positions, (all_pos, max_seq))
-                    read = graph.call_function(
-                        torch.ops.flashloop.packed_read.default, cache_args + (grid, d, all_pos, k_in, v_in)
+                    ref = graph.call_function(
+                        torch.ops.flashloop.packed_reference_attention.default,
+                        (q_ref, all_pos, k_in, v_in, d) + cache_args + (mask, scale, fractions, capacities),
                     )
-                    k_full = graph.call_function(operator.getitem, (read, 0))
-                    v_full = graph.call_function(operator.getitem, (read, 1))
-                args = list(consumer.args)
-                args[1], args[2] = k_full, v_full
-                consumer.args = tuple(args)
-                after = consumer
+                consumer.replace_all_uses_with(ref)
+                graph.erase_node(consumer)
+                after = ref
             else:
                 raise RecognitionError(f"kv_residual_quantization does not know the attention {describe(consumer)}")
             with graph.inserting_after(after):

@@ -282,3 +282,35 @@ def test_read_returns_the_steps_own_tokens_from_flight(bulk):
                 assert torch.equal(out_k[0, :, ip[0, 0]], ki[0, :, 0]) and torch.equal(out_v[0, :, ip[0, 0]], vi[0, :, 0])
             else:
                 assert torch.equal(out_k[0, 0, :2], ki[0, 0, :1].expand(2, -1))
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_packed_reference_decodes_the_bulk_itself_bit_for_bit(depth):
+    # sparse decode's loop-2 reference under quantization: instead of reading the whole history
+    # into BF16/FP32 K/V first, the scores and PV kernels decode the flushed bulk from the packed
+    # tiles and read only the rest (tail, in-flight token) from a buffer packed_read fills with
+    # skip_bulk. Every output equals the two-step path's exactly; the buffer's bulk rows stay NaN
+    # (poisoned), so a kernel that read them instead of decoding would fail the comparison.
+    from flashloop_compile.config import ceil_fraction
+    from flashloop_compile.lowering.kernels import sparse_decode as sd
+
+    cache, g = _token_sparse_cache()
+    tensors = cache.op_tensors(0)
+    S_ = cache.op_tensors(0)[0].shape[2]
+    ip = torch.tensor([[450]])
+    ki, vi = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
+    q = torch.randn(1, 2 * H, 1, D, generator=g)  # two query heads per kv head
+    whole = torch.arange(S_)[None]
+    mask = (whole <= ip)[:, None, :, None].transpose(2, 3)  # [1, 1, 1, S]
+    fractions = [0.1, 0.25]
+    capacities = [ceil_fraction(f, S_) for f in fractions]
+    kf, vf = torch.empty(1, H, S_, D), torch.empty(1, H, S_, D)
+    K.launch_packed_read(tensors, whole, depth, kf, vf, inflight=(ip, ki, vi), bulk=True)
+    two_step = sd.reference_attention_triton(q, kf, vf, mask, 0.125, fractions, capacities)
+    kb, vb = torch.full((1, H, S_, D), float("nan")), torch.full((1, H, S_, D), float("nan"))
+    K.launch_packed_read(tensors, whole, depth, kb, vb, inflight=(ip, ki, vi), skip_bulk=True)
+    assert kb[:, :, :384].isnan().all() and not kb[:, :, 384:451].isnan().any()  # the bulk is left to the reference
+    lim = ip.amin(1)
+    fused = sd.reference_attention_triton(q, kb, vb, mask, 0.125, fractions, capacities, packed=(tensors, depth, lim))
+    for name, a, b in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), fused, two_step):
+        assert torch.equal(a, b), f"depth {depth}: {name}"

@@ -256,6 +256,31 @@ def test_opcheck():
     q = torch.randn(1, 2 * H, 1, D)
     args = (q, k[:, :, -1:], v[:, :, -1:], pos[:, -1:], pos[:, -1:], 0, *cache.op_tensors(0), 0.125)
     torch.library.opcheck(torch.ops.flashloop.packed_attention.default, args)
+    mask = (torch.arange(128) <= 69)[None, None, None, :]
+    args = (q, *step, 0, *cache.op_tensors(0), mask, 0.125, [0.1, 0.5], [13, 64])
+    torch.library.opcheck(torch.ops.flashloop.packed_reference_attention.default, args)
+
+
+def test_packed_reference_is_the_reference_over_the_packed_read():
+    # sparse decode's loop-2 reference under quantization: exactly reference_attention over
+    # packed_read's whole history (positions 0..S-1, this step's token in flight), at depth 1
+    from flashloop_compile.lowering import ops
+
+    cache = PackedKVCache(1, 2, 2, 192, H, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(2, H, 150, D, generator=g), torch.randn(2, H, 150, D, generator=g)
+    pos = torch.stack([torch.arange(150), torch.where(torch.arange(150) < 90, torch.arange(150), -1)])  # ragged
+    for d in range(2):
+        P.packed_kv_write(cache, 0, k + d, v - d, pos, d)
+    ip = torch.tensor([[150], [90]])
+    step = (ip, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
+    q = torch.randn(2, 2 * H, 1, D, generator=g)
+    mask = (torch.arange(192)[None, :] <= ip)[:, None, None, :]
+    got = P.packed_reference_attention(cache, 0, q, step, 1, mask, 0.125, [0.1], [20])
+    kf, vf = P.packed_read(cache, 0, torch.arange(192)[None].expand(2, -1), 1, inflight=step)
+    ref = ops.reference_attention(q, kf, vf, mask, 0.125, [0.1], [20])
+    for name, a, b in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), got, ref):
+        assert torch.equal(a, b), name
 
 
 def test_fake_contract_errors():
@@ -280,3 +305,9 @@ def test_fake_contract_errors():
         torch.ops.flashloop.packed_read(*meta, pos, 0, pos, k.float(), k.float())
     with pytest.raises(Exception, match=r"inflight_positions must be \[1, 3\]"):
         torch.ops.flashloop.packed_read(*meta, pos, 0, pos[:, :1], k, k)
+    mask = torch.empty(1, 1, 1, 128, dtype=torch.bool, device="meta")
+    q2 = torch.empty(1, 2 * H, 1, D, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(Exception, match="depth must be in 0..1"):
+        torch.ops.flashloop.packed_reference_attention(q2, pos, k, k, 2, *meta, mask, 0.1, [0.1], [13])
+    with pytest.raises(Exception, match=r"key capacity 200 must lie in 1..S=128"):
+        torch.ops.flashloop.packed_reference_attention(q2, pos, k, k, 0, *meta, mask, 0.1, [0.1], [200])

@@ -187,11 +187,14 @@ def test_launchers_trace_without_host_syncs(monkeypatch):
     from triton.runtime.jit import JITFunction
 
     # wrap_triton passes interpreted kernels through untouched: trace JIT flavours of them
-    # (nothing is compiled or run here)
-    for name in dir(sd):
-        kernel = getattr(sd, name)
-        if isinstance(kernel, triton_interpreter.InterpretedFunction):
-            monkeypatch.setattr(sd, name, JITFunction(kernel.fn))
+    # (nothing is compiled or run here), the packed-KV helpers the packed reference calls included
+    from flashloop_compile.lowering.kernels import packed_kv
+
+    for module in (sd, packed_kv):
+        for name in dir(module):
+            kernel = getattr(module, name)
+            if isinstance(kernel, triton_interpreter.InterpretedFunction):
+                monkeypatch.setattr(module, name, JITFunction(kernel.fn))
     monkeypatch.setattr(sd, "_check_runnable", lambda device: None)
     q, k, v, mask, _ = _inputs(t=2)
     fractions, capacities = [0.1, 0.5], _capacities([0.1, 0.5], k.shape[2])

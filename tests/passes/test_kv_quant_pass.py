@@ -63,9 +63,9 @@ def test_decode_quant_with_sparse_decode_counts():
     PassManager(FlashLoopConfig.from_switches(False, True, True)).run(gm)
     assert _counts(gm) == {
         "flashloop.packed_attention": 2,  # loop 1 reads the packed cache directly
-        "flashloop.reference_attention": 2,
+        "flashloop.packed_reference_attention": 2,  # loop 2: the reference over the packed whole history
         "flashloop.correction_attention": 4,
-        "flashloop.packed_read": 6,  # the reference reads the whole history, a correction its selected keys
+        "flashloop.packed_read": 4,  # a correction reads its selected keys
         "flashloop.packed_kv_write": 8,
     }
 

@@ -1145,6 +1145,14 @@ PACKED_PREFILL = _with_overrides(
 # FLASHLOOP_PACKED_READ (JSON) overrides.
 PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4}, "FLASHLOOP_PACKED_READ")
 
+# packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
+# reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
+# (sparse_decode._packed_rows), so packed_read writes only the tail and the step's tokens and the
+# whole-history BF16 copy is neither written nor read back; the outputs are bit-identical
+# (tests/lowering/test_packed_kernels.py). Off until timed on the H200: the bulk read, then the
+# reference over its copy. FLASHLOOP_PACKED_REFERENCE (JSON) overrides.
+PACKED_REFERENCE = _with_overrides({"fused": False}, "FLASHLOOP_PACKED_REFERENCE")
+
 
 _PINNED: dict = {}
 
@@ -1204,12 +1212,14 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
 
 
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
-                       bulk: bool | None = None, block_p: int | None = None) -> None:
+                       bulk: bool | None = None, block_p: int | None = None, skip_bulk: bool = False) -> None:
     """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
     out_k/out_v [B, H, P, D] (contiguous). ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v)
     of this step's tokens: a position equal to one of them reads its row (see packed_ops).
     ``bulk`` (default PACKED_READ["bulk"]): tiles of positions below the flushed boundaries go to
-    _read_bulk_kernel, the rest to _read_kernel. ``block_p``: positions per program (tests)."""
+    _read_bulk_kernel, the rest to _read_kernel. ``block_p``: positions per program (tests).
+    ``skip_bulk``: the bulk tiles are left unwritten (their reader decodes them itself: the packed
+    reference, sparse_decode.reference_attention_triton's ``packed``)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -1225,6 +1235,8 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     bp = block_p or bp
     grid = (Bc, H, triton.cdiv(P, bp))
     bulk_fits = not (D & (D - 1) or G % 2)
+    if skip_bulk:
+        bulk = True
     if bulk is None:
         bulk = bool(PACKED_READ["bulk"]) and bulk_fits  # other shapes: the generic kernel reads everything
     elif bulk and not bulk_fits:
@@ -1238,7 +1250,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     lim = positions  # read only by the bulk tile test
     if bulk:  # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
         lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((Bc,), S)
-    if bulk:
+    if bulk and not skip_bulk:
         wrap(_read_bulk_kernel)[grid](
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,

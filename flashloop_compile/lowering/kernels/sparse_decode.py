@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, sm_count
+from flashloop_compile.lowering.kernels.packed_kv import _bulk_k, _bulk_v, _round_to, _row_bases
 
 __all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
 
@@ -72,6 +73,39 @@ KEY_BITS = 30
 
 
 @triton.jit
+def _bulk_bound(flushed, lim, b, R, DEPTH: tl.constexpr, RP: tl.constexpr):
+    """Positions below this bound of row b (every depth's flushed boundary up to DEPTH, and the
+    first in-flight position lim[b]) are read from the packed tiles (_read_bulk_kernel's rule)."""
+    e_ = tl.arange(0, RP)
+    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= DEPTH, other=2147483647), 0)
+    return tl.minimum(fl_min, tl.load(lim + b).to(tl.int32))
+
+
+@triton.jit
+def _packed_rows(n, bulk, b, hk, V_ROWS: tl.constexpr,
+                 k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                 k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+                 B, H, S, NB, CAPT, D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, CD: tl.constexpr,
+                 DEPTH: tl.constexpr):
+    """K (or V with V_ROWS) rows [BN, D] of positions n of kv head (b, hk) decoded from the packed
+    tiles as _read_bulk_kernel computes them (FP32, rounded to the compute dtype: the caller casts
+    to the buffer's dtype); rows where ``bulk`` is False hold position 0's (the caller discards them)."""
+    HD: tl.constexpr = D // 2
+    pc = tl.where(bulk, n, 0).to(tl.int32)
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        b * H + hk, S, NB, CAPT, D, G,
+    )
+    if V_ROWS:
+        e, o = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G, BN, DEPTH)
+    else:
+        kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
+        e, o = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, hk,
+                       B, H, S, NB, D, DEPTH)
+    return tl.reshape(tl.join(_round_to(e, CD), _round_to(o, CD)), [BN, D])
+
+
+@triton.jit
 def _scores_kernel(
     q_ptr, k_ptr, mask_ptr, s_ptr, pm_ptr, pl_ptr,
     S, HKV, R_GROUP, scale,
@@ -79,9 +113,14 @@ def _scores_kernel(
     skb, skh, sks, skd,
     smb, smh, smt, sms,
     CHUNK, SPLIT,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, flushed, rows, res_layout, lim,
+    B, NB, CAPT, RC,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PACKED: tl.constexpr = False, GP: tl.constexpr = 64, CD: tl.constexpr = 0, DEPTH: tl.constexpr = 0,
+    RP: tl.constexpr = 4,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -102,12 +141,24 @@ def _scores_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     start = pid_s * CHUNK
     end = tl.minimum(start + CHUNK, S)
-    k_base = k_ptr + b * skb + hk * skh
+    k_row = k_ptr + b * skb + hk * skh
     m_base = mask_ptr + b * smb + h[:, None] * smh + t[:, None] * smt
+    if PACKED:
+        bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        kt = tl.load(k_base + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=n_ok[:, None], other=0.0)
+        if PACKED:  # below the bound from the packed tiles; the buffer holds the rest (packed_read skip_bulk)
+            bulk = n_ok & (n < bound)
+            kt = tl.load(k_row + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=(n_ok & ~bulk)[:, None], other=0.0)
+            if tl.max(bulk.to(tl.int32), 0) > 0:
+                kp = _packed_rows(n, bulk, b, hk, False,
+                                  k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                                  k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+                                  B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
+                kt = tl.where(bulk[:, None], kp.to(k_ptr.dtype.element_ty), kt)
+        else:
+            kt = tl.load(k_row + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=n_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_f
@@ -279,7 +330,12 @@ def _pv_kernel(
     S, HKV, R, R_GROUP, E_GROUP, E_TOTAL,
     svb, svh, svs, svd,
     CHUNK,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, flushed, rows, res_layout, lim,
+    B, NB, CAPT, RC,
     D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_P_BF16: tl.constexpr,
+    PACKED: tl.constexpr = False, GP: tl.constexpr = 64, CD: tl.constexpr = 0, DEPTH: tl.constexpr = 0,
+    RP: tl.constexpr = 4,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -298,7 +354,9 @@ def _pv_kernel(
     msum = tl.zeros([BLOCK_E], tl.float32)
     start = pid_s * CHUNK
     end = tl.minimum(start + CHUNK, S)
-    v_base = v_ptr + b * svb + hk * svh
+    v_row = v_ptr + b * svb + hk * svh
+    if PACKED:
+        bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -306,7 +364,17 @@ def _pv_kernel(
         key = _prob_key(p)
         sel = (key > thr[:, None]) | ((key == thr[:, None]) & (n[None, :] <= cut[:, None]))
         p = tl.where(sel, tl.maximum(p, 0.0), 0.0)
-        vt = tl.load(v_base + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=n_ok[:, None], other=0.0)
+        if PACKED:  # as in _scores_kernel
+            bulk = n_ok & (n < bound)
+            vt = tl.load(v_row + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=(n_ok & ~bulk)[:, None], other=0.0)
+            if tl.max(bulk.to(tl.int32), 0) > 0:
+                vp = _packed_rows(n, bulk, b, hk, True,
+                                  k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                                  k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+                                  B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
+                vt = tl.where(bulk[:, None], vp.to(v_ptr.dtype.element_ty), vt)
+        else:
+            vt = tl.load(v_row + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=n_ok[:, None], other=0.0)
         if SPLIT_P_BF16:
             # bf16 V is exact; P = hi + mid + lo in bf16 keeps 24 bits: three bf16 MMAs on the
             # V tile as loaded instead of an FP32 (tf32x3) product that re-splits V every tile
@@ -517,8 +585,35 @@ def _radix_digits() -> list[tuple[int, int]]:
     return digits
 
 
-def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False, config: KernelConfig | None = None):
-    """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body."""
+def _packed_args(k, packed) -> tuple[tuple, dict]:
+    """The scores / PV kernels' packed-source arguments: ``packed`` = (cache tensors, depth, lim
+    [B]) or None (then placeholders, PACKED False)."""
+    if packed is None:
+        return (k,) * 16 + (0, 0, 0, 0), {}
+    from flashloop_compile.lowering.kernels.packed_kv import _CDTYPE_CODE, _geometry
+
+    tensors, depth, lim = packed
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     _k_tail, _v_tail, flushed, _row_count, rows, _depth_count, res_layout, _overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    if k.shape[1:3] != (H, S) or k.shape[3] != D or k.shape[0] > B:
+        raise ValueError(f"packed reference: K {tuple(k.shape)} is not the cache's whole history [<={B}, {H}, {S}, {D}]")
+    args = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, flushed, rows, res_layout, lim,
+            B, NB, CAPT, R)
+    return args, dict(PACKED=True, GP=G, CD=_CDTYPE_CODE[k.dtype], DEPTH=depth, RP=next_pow2(R))
+
+
+def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False,
+                               config: KernelConfig | None = None, packed=None):
+    """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body.
+
+    ``packed`` = (packed cache tensors, depth, lim [B]): k/v are the cache's whole history at
+    ``depth`` as ``packed_read`` returns it, except that the positions below every depth's flushed
+    boundary and below lim (the first in-flight position) need not be written there: the scores
+    and PV kernels decode those from the packed tiles (``launch_packed_read(skip_bulk=True)``
+    writes only the rest), bit for bit as the bulk read would have written them."""
     from flashloop_compile.lowering.ops import key_counts
 
     launch = _Launcher(wrap)
@@ -553,11 +648,12 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
     part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    pargs, pkw = _packed_args(k, packed)
     launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
         q, k, mask_full, probs, part_m, part_l,
         s, hkv, m_group, float(scale),
         *q.stride(), *k.stride(), *mask_full.stride(),
-        chunk_a, split_a,
+        chunk_a, split_a, *pargs, **pkw,
         G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n, UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=cfg.num_warps_kv * (2 if block_m * d >= 64 * 128 else 1), num_stages=cfg.num_stages_kv,
     )
@@ -613,7 +709,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         probs, v, thr, cut, part_o, part_mass,
         s, hkv, rows, m_group, e_group, e_total,
         *v.stride(),
-        chunk_c,
+        chunk_c, *pargs, **pkw,
         D=d, BLOCK_E=block_e, BLOCK_N=block_n_pv, SPLIT_P_BF16=v.dtype == torch.bfloat16 and not upcast,
         num_warps=cfg.num_warps_pv * (2 if block_e * d >= 64 * 128 else 1), num_stages=cfg.num_stages_pv,
     )
