@@ -157,6 +157,11 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # variants (the suite's best pick skips them)
     *[(f"read {what} {kernel}", {"read": what, "bulk": kernel == "bulk"})
       for what in ("whole history", "selected keys") for kernel in ("generic", "bulk")],
+    # sparse decode's loop-2 reference under quantization (packed_reference_attention, fraction
+    # 0.1): the bulk read of the whole history then the reference over the copy, vs
+    # PACKED_REFERENCE "fused" (the scores / PV kernels decode the flushed bulk); bit-identical
+    ("reference read then attend", {"reference": False}),
+    ("reference fused", {"reference": True}),
 ]
 
 
@@ -179,13 +184,22 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                 reads = {"whole history": torch.arange(S - 1, device="cuda")[None].expand(B, -1),
                          "selected keys": torch.rand(B, H, S - 1, device="cuda", generator=g).topk(n_sel, -1).indices}
                 read_ref = {}  # the ATen read of each position set, once per depth
+                mask = (torch.arange(S, device="cuda")[None, :] <= pd)[:, None, None, :]
+                ref_args = (q, pd, kd, vd, depth, *tensors, mask, scale, [0.1], [-(-S // 10)])
+                two_step = None  # the unfused reference's outputs, which the fused one must equal
                 for name, kw in [(n, kw) for n, kw in SWEEP if any(v in n for v in args.variants.split("|"))]:
                     read = kw.get("read", False)
                     n_read = reads[read].shape[-1] if read else 0
                     out_k = torch.empty(B, H, n_read, D, device="cuda", dtype=DT) if read else None
                     out_v = torch.empty_like(out_k) if read else None
 
-                    def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v):
+                    def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v, ref_args=ref_args):
+                        if "reference" in kw:  # the flag is read at launch: captured as set here
+                            K.PACKED_REFERENCE["fused"] = kw["reference"]
+                            try:
+                                return torch.ops.flashloop.packed_reference_attention(*ref_args)
+                            finally:
+                                K.PACKED_REFERENCE["fused"] = False
                         if kw.get("read"):
                             K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
@@ -193,7 +207,14 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out
                     try:
-                        if read:
+                        if "reference" in kw:
+                            got = fn()
+                            if not kw["reference"]:
+                                two_step = got
+                            else:
+                                two_step = two_step if two_step is not None else fn(kw={"reference": False})
+                                assert all(torch.equal(a, b) for a, b in zip(got, two_step)), "fused reference differs"
+                        elif read:
                             if read not in read_ref:
                                 read_ref[read] = P.packed_read_aten(*tensors, reads[read], depth, *P.no_inflight(cache, B, q.device))
                             ka, va = read_ref[read]
@@ -209,8 +230,9 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     # a read: its share of the packed bytes (scattered keys: a lower bound, the K
                     # parameters are per 64-token block) + the BF16 K/V it writes
                     moved = nbytes * n_read // (S - 1) + 2 * B * H * n_read * D * 2 if read else nbytes
+                    kind = "reference" if "reference" in kw else "read" if read else "attention"
                     rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
-                                 "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": "read" if read else "attention"})
+                                 "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": kind})
                     print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {moved / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
             del cache
             torch.cuda.empty_cache()

@@ -34,14 +34,14 @@ fi
 if [[ $SUITE == *sweep* ]]; then
   # packed decode attention launch parameters; the best (summed over the swept shapes) is used below
   # SWEEP_VARIANTS: a name filter, alternatives separated by | (default '': the whole grid, about 150 s:
-  # the generic path, the bulk kernel's launch points and four packed_read rows, which are not picked
-  # as tuning; the JSON is saved after each batch size)
+  # the generic path, the bulk kernel's launch points, four packed_read rows and two packed-reference
+  # rows, which are not picked as tuning; the JSON is saved after each batch size)
   timeout 200 python3 benchmarks/bench_packed_decode.py --sweep --batch 1 4 --seq 32768 --depths 1 3 \
     --repeats 20 --warmup 3 --variants "${SWEEP_VARIANTS-}" > "$OUT/sweep.log" 2>&1
   grep "^best" "$OUT/sweep.log"
   best=$(python3 - "$OUT/packed_sweep.json" <<'EOF2'
 import json, sys, collections
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "us" in r and r.get("kind") != "read"]
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "us" in r and r.get("kind", "attention") == "attention"]
 keys = {(r["batch"], r["depth"]) for r in rows}
 total = collections.defaultdict(float); seen = collections.Counter()
 for r in rows:
