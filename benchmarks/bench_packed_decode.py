@@ -151,6 +151,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
        {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv, "linear": True}})
       for bn, w, st, mr, wv in ((16, 4, 3, None, 4), (32, 4, 2, None, 4), (32, 4, 3, None, 4), (32, 4, 4, None, 4),
                                 (32, 4, 3, None, 8), (32, 4, 3, 168, 4), (64, 8, 3, None, 4))],
+    # the tensor-core kernel (FAST_DECODE "mma", opt-in, untimed): sm_90 compile 140 registers at
+    # bn32 depth 1 (12 warps/SM), 255 with 3 spill ops at depth 3
+    *[(f"fast mma bn{bn} w{w} s{st} x4", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "mma": True}})
+      for bn, w, st in ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 8, 3))],
     # packed_read (sparse decode under quantization), generic vs PACKED_READ "bulk": the whole
     # history (loop 2's reference) and 10% scattered keys per head (a correction's selection, sorted
     # as the top-k positions are not: order does not matter to either kernel); not attention

@@ -189,8 +189,9 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2, "maxnreg": 128, "linear": False}, {"linear": False}],
-                         ids=["defaults", "reconstructing_bn16_maxnreg", "reconstructing"])
+@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2, "maxnreg": 128, "linear": False}, {"linear": False},
+                                         {"mma": True}],
+                         ids=["defaults", "reconstructing_bn16_maxnreg", "reconstructing", "mma"])
 def test_torch_compile_fullgraph(fast_decode, monkeypatch):
     # the bulk kernel with maxnreg launches through a one-config autotuner under wrap_triton
     from flashloop_compile.lowering.kernels import packed_kv as K

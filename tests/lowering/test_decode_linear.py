@@ -3,7 +3,8 @@ in the code domain, no reconstructed K/V) against the ATen body, run by the inte
 
 Without the compute-dtype rounding of the reconstruction, the linear form equals the reference
 up to FP32 rounding on fp32 caches (tolerance 1e-5) and up to the reference's bf16 rounding of
-K/V on bf16 caches (the bf16 tolerance, 1e-2)."""
+K/V on bf16 caches (the bf16 tolerance, 1e-2). The tensor-core variant (FAST_DECODE["mma"]) rounds
+q * scale and p * scale to fp16 per tile: 1e-3 on fp32 caches, 1e-2 on bf16."""
 
 from __future__ import annotations
 
@@ -61,3 +62,33 @@ def test_linear_decode_matches_aten(dtype, group, block_n):
         K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2,
                                   tuning={"linear": True, "block_n": block_n})
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
+
+
+@pytest.mark.parametrize("dtype, block_n", [(torch.float32, 16), (torch.bfloat16, 32)], ids=["fp32_bn16", "bf16_bn32"])
+def test_mma_decode_matches_aten(dtype, block_n):
+    # FAST_DECODE["mma"]: codes as fp16 subnormals into tensor-core products, q * scale and
+    # p * scale rounded to fp16 (11 bits) per tile: FP32 models within 1e-3, BF16 within bf16
+    # tolerance; two V groups per row (head_dim 128, group 64), residuals at depths 1..3 on
+    # nested subsets, ragged rows. Dropping a residual's K minimum or the V minima fails it.
+    cache = _cache(dtype, 64)
+    tol = 1e-3 if dtype == torch.float32 else 1e-2
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    ki = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    vi = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    ipos = torch.tensor(LENGTHS)[:, None]
+    for depth in range(R):
+        ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, depth, *cache.op_tensors(0), 0.1)
+        out = torch.empty_like(q)
+        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2,
+                                  tuning={"mma": True, "block_n": block_n})
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
+
+
+def test_mma_decode_rejects_a_head_of_more_than_two_groups():
+    cache = _cache(torch.float32, 32)  # head_dim 128 = four V groups
+    q = torch.zeros(B, H, 1, D)
+    ipos = torch.tensor(LENGTHS)[:, None]
+    with pytest.raises(ValueError, match="mma needs a head_dim of one or two groups"):
+        K.launch_packed_attention(cache.op_tensors(0), q, q, q, ipos, ipos, 0, 0.1, torch.empty_like(q),
+                                  tuning={"mma": True})

@@ -916,6 +916,169 @@ def _linear_pv(y, yb, vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, ro
     return y, yb + pr * mn
 
 
+@triton.jit
+def _fp16_codes(w, BN: tl.constexpr, C: tl.constexpr):
+    """The INT4 codes of int32 code words w [BN, C/8] as fp16 subnormals code * 2^-24, [BN, C] in
+    channel order (_code_units' order flattens to it): an AND and a shift per two codes, no
+    conversion; a tensor-core product with a normal fp16 operand is exact in FP32."""
+    m = 0x000F000F
+    h = tl.join(tl.join(_fp16_pairs(w & m), _fp16_pairs((w >> 8) & m)),
+                tl.join(_fp16_pairs((w >> 4) & m), _fp16_pairs((w >> 12) & m)))
+    return tl.reshape(h, [BN, C])
+
+
+@triton.jit
+def _fp16_pairs(c):
+    """The low and high 16-bit halves of int32 words c as fp16 (bit patterns), [..., 2]."""
+    return tl.join(c.to(tl.uint16), (c >> 16).to(tl.uint16)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _as_fp16(x):
+    """x (at most 2^15 in magnitude) rounded to the fp16 MMA operand."""
+    return x.to(tl.float16)
+
+
+@triton.jit
+def _pow2_fit(x):
+    """A power of two f with max|x| * f in [2^14, 2^15) (1 for x == 0): the per-tile factor that
+    puts an fp16 operand's largest entry at the top of its range."""
+    mx = tl.max(tl.abs(x))
+    e = tl.where(mx > 0, 14.0 - tl.floor(tl.log2(tl.where(mx > 0, mx, 1.0))), 0.0)
+    return tl.exp2(e)
+
+
+@triton.jit
+def _mma_dot(a, b, EXACT: tl.constexpr):
+    """a [16, K] @ b [K, N] (fp16) with FP32 accumulation: tensor cores on the GPU; in the
+    interpreter (EXACT) the same exact products as an FP32 IEEE dot."""
+    if EXACT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _mma_group_pv(pr, vsc, vmn, vcodes_words, r, rmask, g: tl.constexpr,
+                  D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, EXACT: tl.constexpr):
+    """sum_t p_t (min_t + scale_t code_t) over V group g of rows r [BN] (nothing where rmask is
+    False), [16, G]: p [16, BN], the rows' group parameters vsc, vmn [BN]."""
+    W: tl.constexpr = D // 8
+    wg = tl.load(vcodes_words + r[:, None] * W + g * (G // 8) + tl.arange(0, G // 8)[None, :], mask=rmask[:, None], other=0)
+    w = pr * vsc[None, :]
+    f = _pow2_fit(w)
+    return (_mma_dot(_as_fp16(w * f), _fp16_codes(wg, BN, G), EXACT) * (16777216.0 / f)
+            + tl.sum(pr * vmn[None, :], 1)[:, None])
+
+
+@triton.jit
+def _decode_mma_kernel(
+    q, q_positions, p0, flushed,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    rows, res_layout, part_ml, part_acc,
+    sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
+    STAGES: tl.constexpr, DEPTH: tl.constexpr, EXACT: tl.constexpr = False,
+):
+    """FAST_DECODE["mma"]: _decode_bulk_kernel's splits and partials, with the products on tensor
+    cores in the code domain. Codes become fp16 subnormals code * 2^-24 with an AND and a shift per
+    two codes (_fp16_codes); per tile and stream, q * (K scale) and p * (V scale) become normal fp16
+    operands scaled by a power of two into [2^14, 2^15) (_pow2_fit: no overflow, no underflow that
+    matters), so each product code * operand is exact in the FP32 accumulator and the factors are
+    divided out after the dot. The query row is broadcast over the 16 rows an MMA needs (every row
+    computes the same scores, probabilities and output; row 0 is stored). Minima enter as per-tile
+    biases (K: q . min; V: sum_t p_t min_t per group). Needs head_dim = 1 or 2 groups of >= 64
+    channels (the launcher checks). The attention of the exact reconstruction up to the fp16
+    rounding of q * scale and p * scale (11 bits; the reference rounds K/V to bf16, 8 bits)."""
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    W: tl.constexpr = D // 8
+    NSPL: tl.constexpr = NSTORED + 1
+    scale = tl.cast(scale, tl.float32)
+    bh = tl.program_id(0).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    z = tl.program_id(1)
+    qpos = tl.load(q_positions + b * sqp_b + tl.arange(0, 1))
+    P0 = tl.load(p0 + b)
+    e_ = tl.arange(0, RP)
+    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= DEPTH, other=2147483647), 0)
+    nfast = tl.minimum(fl_min, P0) // BN
+    nfast = tl.where(tl.max((qpos >= 0).to(tl.int32), 0) > 0, nfast, 0)
+    lo = (z * nfast) // NSTORED
+    hi = ((z + 1) * nfast) // NSTORED
+    ch = tl.arange(0, D)
+    qn = tl.load(q + b * sq_b + h * sq_h + ch * sq_d).to(tl.float32)
+    q16r = tl.zeros([16, D], tl.float32) + qn[None, :]  # the query row on all 16 MMA rows
+    m_i = tl.full([16], float("-inf"), tl.float32)
+    l_i = tl.zeros([16], tl.float32)
+    acc0 = tl.zeros([16, G], tl.float32)
+    acc1 = tl.zeros([16, G], tl.float32)  # the second V group (head_dim = 2 groups)
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        bh, S, NB, CAPT, D, G,
+    )
+    kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.arange(0, W)[None, :]
+    gsel = tl.arange(0, NG)
+    for tile in tl.range(lo, hi, num_stages=STAGES):
+        p = tile * BN + tl.arange(0, BN)
+        pw = ((tile * BN) // G) * D  # the tile's K block: per-channel parameters
+        # scores: base + residuals present, each q . (min + scale * code)
+        ks = tl.load(kb_scale + pw + ch).to(tl.float32)
+        qs = q16r * ks[None, :]
+        fq = _pow2_fit(qn * ks)  # (the q row's factor: every MMA row holds it)
+        kc = _fp16_codes(tl.load(kb_words + p[:, None] * W + words), BN, D)
+        s16 = _mma_dot(_as_fp16(qs * fq), tl.trans(kc), EXACT) * (16777216.0 / fq)
+        s16 += tl.sum(qn * tl.load(kb_min + pw + ch).to(tl.float32), 0)
+        for j in tl.static_range(1, DEPTH + 1):
+            has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+            pk = (((j - 1) * B + b) * H + h) * NB * D + pw
+            ksj = tl.load(k_res_scale + pk + ch).to(tl.float32)
+            fqj = _pow2_fit(qn * ksj)
+            kcj = _fp16_codes(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0), BN, D)
+            s16 += _mma_dot(_as_fp16(q16r * ksj[None, :] * fqj), tl.trans(kcj), EXACT) * (16777216.0 / fqj)
+            s16 += tl.where(has, tl.sum(qn * tl.load(k_res_min + pk + ch).to(tl.float32), 0), 0.0)[None, :]
+        s16 = s16 * scale
+        m_new = tl.maximum(m_i, tl.max(s16, 1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s16 - m_new[:, None])  # [16, BN], rows equal
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        m_i = m_new
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        # values: per stream and group, sum_t p_t (min_t + scale_t code_t)
+        for j in tl.static_range(0, DEPTH + 1):
+            if j == 0:
+                r = p
+                rmask = p >= 0
+                vmn_t, vsc_t, vwords = vb_min, vb_scale, vb_words
+            else:
+                rmask, r = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+                vmn_t, vsc_t, vwords = vr_min, vr_scale, vr_words
+            vsc = tl.load(vsc_t + r[:, None] * NG + gsel[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+            vmn = tl.load(vmn_t + r[:, None] * NG + gsel[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+            if NG == 1:
+                acc0 += _mma_group_pv(pr, tl.reshape(vsc, [BN]), tl.reshape(vmn, [BN]), vwords, r, rmask, 0, D, G, BN, EXACT)
+            else:
+                sc0, sc1 = tl.split(vsc)
+                mn0, mn1 = tl.split(vmn)
+                acc0 += _mma_group_pv(pr, sc0, mn0, vwords, r, rmask, 0, D, G, BN, EXACT)
+                acc1 += _mma_group_pv(pr, sc1, mn1, vwords, r, rmask, 1, D, G, BN, EXACT)
+    prow = bh * NSPL + z
+    one = tl.arange(0, 1)
+    tl.store(part_ml + prow * 2 + one, tl.max(m_i, 0) + tl.zeros([1], tl.float32))
+    tl.store(part_ml + prow * 2 + 1 + one, tl.max(l_i, 0) + tl.zeros([1], tl.float32))
+    first = (tl.arange(0, 16) == 0)[:, None]
+    gc = tl.arange(0, G)
+    tl.store(part_acc + prow * D + gc, tl.sum(tl.where(first, acc0, 0.0), 0))
+    if NG == 2:
+        tl.store(part_acc + prow * D + G + gc, tl.sum(tl.where(first, acc1, 0.0), 0))
+
+
 @triton.jit(do_not_specialize=["depth_arg"])
 def _attn_kernel(
     q, k_in, v_in, q_positions, in_positions, p0,
@@ -1116,10 +1279,14 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # than its session-5 default (bn32 w4 s2, itself 1.24-1.54x over the fused fast path it replaced);
 # benchmarks/RESULTS.md. "linear": False takes the reconstructing kernel (K/V rounded to the
 # compute dtype before the products, as the reference; the linear kernel skips that rounding:
-# equal up to FP32 rounding in FP32, within bf16 tolerance in BF16). "maxnreg": a register cap for the bulk kernel (None: ptxas decides).
+# equal up to FP32 rounding in FP32, within bf16 tolerance in BF16). "maxnreg": a register cap
+# for the bulk kernel (None: ptxas decides). "mma" (opt-in, untimed): _decode_mma_kernel, the
+# products on fp16 tensor cores in the code domain (head_dim of one or two groups, block_n >= 16);
+# it takes precedence over "linear".
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4, "maxnreg": None, "linear": True,
+    "mma": False,
 }, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
@@ -1343,9 +1510,15 @@ def launch_packed_attention(
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     if fast:
-        bulk_kernel, opts = _decode_bulk_kernel, {"num_warps": tune["num_warps"]}
+        mma = bool(tune["mma"])
+        if mma and not (D // G in (1, 2) and bnf >= 16):
+            raise ValueError(f"FAST_DECODE mma needs a head_dim of one or two groups and block_n >= 16; got head_dim "
+                             f"{D}, group {G}, block_n {bnf}")
+        kernel = _decode_mma_kernel if mma else _decode_bulk_kernel
+        bulk_kernel, opts = kernel, {"num_warps": tune["num_warps"]}
         if tune["maxnreg"] and not interp:  # a launch option wrap_triton does not pass: a one-config autotuner
-            bulk_kernel, opts = _pinned_config(_decode_bulk_kernel, tune["num_warps"], stages, tune["maxnreg"]), {}
+            bulk_kernel, opts = _pinned_config(kernel, tune["num_warps"], stages, tune["maxnreg"]), {}
+        variant = dict(EXACT=interp) if mma else dict(CD=cd, LINEAR=bool(tune.get("linear", False)))
         wrap(bulk_kernel)[(Bc * H, ns)](
             q, q_positions, p0, flushed,
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -1353,8 +1526,7 @@ def launch_packed_attention(
             rows, res_layout, part_ml, part_acc,
             q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), CD=cd, STAGES=stages, DEPTH=depth,
-            LINEAR=bool(tune.get("linear", False)), **opts,
+            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, **variant, **opts,
         )
         grid = (Bc * H, 1, m_tiles)  # _attn_kernel takes split NSTORED only: the tail and in-flight keys
     wrap(_attn_kernel)[grid](
