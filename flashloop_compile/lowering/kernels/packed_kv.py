@@ -990,7 +990,6 @@ def _decode_mma_kernel(
     biases (K: q . min; V: sum_t p_t min_t per group). Needs head_dim = 1 or 2 groups of >= 64
     channels (the launcher checks). The attention of the exact reconstruction up to the fp16
     rounding of q * scale and p * scale (11 bits; the reference rounds K/V to bf16, 8 bits)."""
-    HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     W: tl.constexpr = D // 8
     NSPL: tl.constexpr = NSTORED + 1
