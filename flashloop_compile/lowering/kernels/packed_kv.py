@@ -987,8 +987,8 @@ def _decode_mma_kernel(
     matters), so each product code * operand is exact in the FP32 accumulator and the factors are
     divided out after the dot. The query row is broadcast over the 16 rows an MMA needs (every row
     computes the same scores, probabilities and output; row 0 is stored). Minima enter as per-tile
-    biases (K: q . min; V: sum_t p_t min_t per group). Needs head_dim = 1 or 2 groups of >= 64
-    channels (the launcher checks). The attention of the exact reconstruction up to the fp16
+    biases (K: q . min; V: sum_t p_t min_t per group). Needs a head_dim of one or two V groups
+    and 16-key tiles or larger (the launcher checks). The attention of the exact reconstruction up to the fp16
     rounding of q * scale and p * scale (11 bits; the reference rounds K/V to bf16, 8 bits)."""
     NG: tl.constexpr = D // G
     W: tl.constexpr = D // 8
