@@ -482,6 +482,23 @@ def _read_kernel(
 
 
 @triton.jit
+def _flushed_min(flushed_b, depth, RP: tl.constexpr):
+    """The smallest flushed boundary of depths 0..depth of one row (flushed_b: its R entries):
+    below it every position holds its base and residual j is present exactly where rows_j >= 0."""
+    e_ = tl.arange(0, RP)
+    return tl.min(tl.load(flushed_b + e_, mask=e_ <= depth, other=2147483647), 0)
+
+
+@triton.jit
+def _bulk_tiles(q_positions, sqp_b, p0, flushed, b, R, DEPTH: tl.constexpr, RP: tl.constexpr, BN: tl.constexpr):
+    """Key tiles of BN positions a one-query-row decode of row b takes from the flushed bulk (0
+    when its query is padding): the tiles below every depth's flushed boundary and the stored end."""
+    qpos = tl.load(q_positions + b * sqp_b + tl.arange(0, 1))
+    nfast = tl.minimum(_flushed_min(flushed + b * R, DEPTH, RP), tl.load(p0 + b)) // BN
+    return tl.where(tl.max((qpos >= 0).to(tl.int32), 0) > 0, nfast, 0)
+
+
+@triton.jit
 def _bulk_read_tile(p, tm, flushed_b, lim_b, depth, BP: tl.constexpr, RP: tl.constexpr):
     """Whether every entry of a read tile (positions p [BP], tm: inside P) is a position below
     every depth's flushed boundary (0..depth) and below the row's first in-flight position
@@ -490,8 +507,7 @@ def _bulk_read_tile(p, tm, flushed_b, lim_b, depth, BP: tl.constexpr, RP: tl.con
     history) and the selected keys of a correction (sparse decode's top-k, scattered) are almost
     all such tiles; a tile with padding (-1), a position in the ring or beyond, or the end of P
     goes to _read_kernel."""
-    e_ = tl.arange(0, RP)
-    fl_min = tl.min(tl.load(flushed_b + e_, mask=e_ <= depth, other=2147483647), 0)
+    fl_min = _flushed_min(flushed_b, depth, RP)
     p_lo = tl.min(tl.where(tm, p, -1), 0)
     p_hi = tl.max(p, 0)
     return (p_lo >= 0) & (p_hi < fl_min) & (p_hi < tl.load(lim_b))
@@ -742,12 +758,7 @@ def _decode_bulk_kernel(
     b = bh // H
     h = bh % H
     z = tl.program_id(1)
-    qpos = tl.load(q_positions + b * sqp_b + tl.arange(0, 1))
-    P0 = tl.load(p0 + b)
-    e_ = tl.arange(0, RP)
-    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= DEPTH, other=2147483647), 0)
-    nfast = tl.minimum(fl_min, P0) // BN
-    nfast = tl.where(tl.max((qpos >= 0).to(tl.int32), 0) > 0, nfast, 0)
+    nfast = _bulk_tiles(q_positions, sqp_b, p0, flushed, b, R, DEPTH, RP, BN)
     lo = (z * nfast) // NSTORED
     hi = ((z + 1) * nfast) // NSTORED
     i = tl.arange(0, HD)
@@ -998,12 +1009,7 @@ def _decode_mma_kernel(
     b = bh // H
     h = bh % H
     z = tl.program_id(1)
-    qpos = tl.load(q_positions + b * sqp_b + tl.arange(0, 1))
-    P0 = tl.load(p0 + b)
-    e_ = tl.arange(0, RP)
-    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= DEPTH, other=2147483647), 0)
-    nfast = tl.minimum(fl_min, P0) // BN
-    nfast = tl.where(tl.max((qpos >= 0).to(tl.int32), 0) > 0, nfast, 0)
+    nfast = _bulk_tiles(q_positions, sqp_b, p0, flushed, b, R, DEPTH, RP, BN)
     lo = (z * nfast) // NSTORED
     hi = ((z + 1) * nfast) // NSTORED
     ch = tl.arange(0, D)
@@ -1126,9 +1132,7 @@ def _attn_kernel(
         # boundary) ran in _decode_bulk_kernel; this program is split NSTORED: the rest of the
         # stored prefix (per-token resolution, the ring) and the in-flight keys. Stored keys (< P0)
         # precede every query.
-        e_ = tl.arange(0, RP)
-        fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= depth, other=2147483647), 0)
-        nfast = tl.minimum(fl_min, P0) // BNF
+        nfast = tl.minimum(_flushed_min(flushed + b * R, depth, RP), P0) // BNF
         nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
         tile = (nfast * BNF) // BN
         t_hi = (P0 + BN - 1) // BN

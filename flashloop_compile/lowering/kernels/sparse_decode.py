@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, sm_count
-from flashloop_compile.lowering.kernels.packed_kv import _bulk_k, _bulk_v, _round_to, _row_bases
+from flashloop_compile.lowering.kernels.packed_kv import _bulk_k, _bulk_v, _flushed_min, _round_to, _row_bases
 
 __all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
 
@@ -76,9 +76,7 @@ KEY_BITS = 30
 def _bulk_bound(flushed, lim, b, R, DEPTH: tl.constexpr, RP: tl.constexpr):
     """Positions below this bound of row b (every depth's flushed boundary up to DEPTH, and the
     first in-flight position lim[b]) are read from the packed tiles (_read_bulk_kernel's rule)."""
-    e_ = tl.arange(0, RP)
-    fl_min = tl.min(tl.load(flushed + b * R + e_, mask=e_ <= DEPTH, other=2147483647), 0)
-    return tl.minimum(fl_min, tl.load(lim + b).to(tl.int32))
+    return tl.minimum(_flushed_min(flushed + b * R, DEPTH, RP), tl.load(lim + b).to(tl.int32))
 
 
 @triton.jit
