@@ -50,18 +50,7 @@ def test_linear_decode_matches_aten(dtype, group, block_n):
     cache = _cache(dtype, group)
     flushed = cache.op_tensors(0)[P.CACHE_NAMES.index("flushed")]
     assert flushed.min().item() >= 64  # every row has a flushed bulk at every depth
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    g = torch.Generator().manual_seed(12)
-    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
-    ki = torch.randn(B, H, 1, D, generator=g).to(dtype)
-    vi = torch.randn(B, H, 1, D, generator=g).to(dtype)
-    ipos = torch.tensor(LENGTHS)[:, None]
-    for depth in range(R):
-        ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, depth, *cache.op_tensors(0), 0.1)
-        out = torch.empty_like(q)
-        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2,
-                                  tuning={"linear": True, "block_n": block_n})
-        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
+    _check_decode(cache, dtype, {"linear": True, "block_n": block_n}, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype, block_n", [(torch.float32, 16), (torch.bfloat16, 32)], ids=["fp32_bn16", "bf16_bn32"])
@@ -71,7 +60,11 @@ def test_mma_decode_matches_aten(dtype, block_n):
     # tolerance; two V groups per row (head_dim 128, group 64), residuals at depths 1..3 on
     # nested subsets, ragged rows. Dropping a residual's K minimum or the V minima fails it.
     cache = _cache(dtype, 64)
-    tol = 1e-3 if dtype == torch.float32 else 1e-2
+    _check_decode(cache, dtype, {"mma": True, "block_n": block_n}, 1e-3 if dtype == torch.float32 else 1e-2)
+
+
+def _check_decode(cache, dtype, tuning, tol):
+    """One decode token per row at depths 0..R-1 through the bulk kernel of ``tuning`` vs the ATen body."""
     g = torch.Generator().manual_seed(12)
     q = torch.randn(B, H, 1, D, generator=g).to(dtype)
     ki = torch.randn(B, H, 1, D, generator=g).to(dtype)
@@ -80,8 +73,7 @@ def test_mma_decode_matches_aten(dtype, block_n):
     for depth in range(R):
         ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, depth, *cache.op_tensors(0), 0.1)
         out = torch.empty_like(q)
-        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2,
-                                  tuning={"mma": True, "block_n": block_n})
+        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2, tuning=tuning)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
 
 

@@ -104,6 +104,30 @@ def _packed_rows(n, bulk, b, hk, V_ROWS: tl.constexpr,
 
 
 @triton.jit
+def _kv_tile(row, n, n_ok, dd, s_n, s_d, bound, b, hk, V_ROWS: tl.constexpr, PACKED: tl.constexpr,
+             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+             B, H, S, NB, CAPT, D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, CD: tl.constexpr,
+             DEPTH: tl.constexpr):
+    """K (V with V_ROWS) tile [BN, D] of keys n of one kv head, from the buffer at ``row``; with
+    PACKED the positions below ``bound`` are decoded from the packed tiles instead (the buffer
+    holds only the rest: packed_read with skip_bulk)."""
+    offs = row + n[:, None].to(tl.int64) * s_n + dd[None, :] * s_d
+    if PACKED:
+        bulk = n_ok & (n < bound)
+        t = tl.load(offs, mask=(n_ok & ~bulk)[:, None], other=0.0)
+        if tl.max(bulk.to(tl.int32), 0) > 0:
+            pk = _packed_rows(n, bulk, b, hk, V_ROWS,
+                              k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                              k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+                              B, H, S, NB, CAPT, D, G, BN, CD, DEPTH)
+            t = tl.where(bulk[:, None], pk.to(row.dtype.element_ty), t)
+    else:
+        t = tl.load(offs, mask=n_ok[:, None], other=0.0)
+    return t
+
+
+@triton.jit
 def _scores_kernel(
     q_ptr, k_ptr, mask_ptr, s_ptr, pm_ptr, pl_ptr,
     S, HKV, R_GROUP, scale,
@@ -141,22 +165,14 @@ def _scores_kernel(
     end = tl.minimum(start + CHUNK, S)
     k_row = k_ptr + b * skb + hk * skh
     m_base = mask_ptr + b * smb + h[:, None] * smh + t[:, None] * smt
-    if PACKED:
-        bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP)
+    bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP) if PACKED else 0
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        if PACKED:  # below the bound from the packed tiles; the buffer holds the rest (packed_read skip_bulk)
-            bulk = n_ok & (n < bound)
-            kt = tl.load(k_row + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=(n_ok & ~bulk)[:, None], other=0.0)
-            if tl.max(bulk.to(tl.int32), 0) > 0:
-                kp = _packed_rows(n, bulk, b, hk, False,
-                                  k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                                  k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-                                  B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
-                kt = tl.where(bulk[:, None], kp.to(k_ptr.dtype.element_ty), kt)
-        else:
-            kt = tl.load(k_row + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=n_ok[:, None], other=0.0)
+        kt = _kv_tile(k_row, n, n_ok, dd, sks, skd, bound, b, hk, False, PACKED,
+                      k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+                      B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_f
@@ -353,8 +369,7 @@ def _pv_kernel(
     start = pid_s * CHUNK
     end = tl.minimum(start + CHUNK, S)
     v_row = v_ptr + b * svb + hk * svh
-    if PACKED:
-        bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP)
+    bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP) if PACKED else 0
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -362,17 +377,10 @@ def _pv_kernel(
         key = _prob_key(p)
         sel = (key > thr[:, None]) | ((key == thr[:, None]) & (n[None, :] <= cut[:, None]))
         p = tl.where(sel, tl.maximum(p, 0.0), 0.0)
-        if PACKED:  # as in _scores_kernel
-            bulk = n_ok & (n < bound)
-            vt = tl.load(v_row + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=(n_ok & ~bulk)[:, None], other=0.0)
-            if tl.max(bulk.to(tl.int32), 0) > 0:
-                vp = _packed_rows(n, bulk, b, hk, True,
-                                  k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                                  k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-                                  B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
-                vt = tl.where(bulk[:, None], vp.to(v_ptr.dtype.element_ty), vt)
-        else:
-            vt = tl.load(v_row + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=n_ok[:, None], other=0.0)
+        vt = _kv_tile(v_row, n, n_ok, dd, svs, svd, bound, b, hk, True, PACKED,
+                      k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+                      B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
         if SPLIT_P_BF16:
             # bf16 V is exact; P = hi + mid + lo in bf16 keeps 24 bits: three bf16 MMAs on the
             # V tile as loaded instead of an FP32 (tf32x3) product that re-splits V every tile
