@@ -48,7 +48,7 @@ import math
 import torch
 from torch import Tensor
 
-from flashloop_compile.lowering.kernels.common import stored_end
+from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
 
@@ -430,7 +430,7 @@ def _packed_kv_write(
     if k.device.type != "cuda":
         torch.ops.flashloop.packed_kv_write_aten(*cache, k, v, positions, depth)
         return
-    _kernels().launch_packed_kv_write(cache, k, v, positions, depth, wrap=torch.library.wrap_triton)
+    _kernels().launch_packed_kv_write(cache, k, v, positions, depth, wrap=wrap_triton)
 
 
 @torch.library.triton_op(f"{LIB}::packed_read", mutates_args=())
@@ -449,7 +449,7 @@ def _packed_read(
     shape = (positions.shape[0], k_base.shape[1], positions.shape[-1], 2 * k_base.shape[3])
     out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
-    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=torch.library.wrap_triton)
+    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=wrap_triton)
     return out_k, out_v
 
 
@@ -468,7 +468,7 @@ def _packed_attention(
         return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _kernels().launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
-                              wrap=torch.library.wrap_triton)
+                              wrap=wrap_triton)
     return out
 
 
@@ -494,7 +494,7 @@ def _packed_reference_attention(
     k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
     v = torch.empty_like(k)
     fused = bool(K.PACKED_REFERENCE["fused"])
-    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=torch.library.wrap_triton, skip_bulk=fused)
+    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton, skip_bulk=fused)
     packed = None
     if fused:
         ip = inflight_positions

@@ -80,9 +80,10 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> None:
 def _position_attention_op(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float) -> Tensor:
     if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
         return position_attention_aten(q, k, v, q_pos, scale)
+    from flashloop_compile.lowering.kernels.common import wrap_triton
     from flashloop_compile.lowering.kernels.prefill_attention import position_attention_triton
 
-    return position_attention_triton(q, k, v, q_pos, scale, wrap=torch.library.wrap_triton)
+    return position_attention_triton(q, k, v, q_pos, scale, wrap=wrap_triton)
 
 
 @_position_attention_op.register_kernel("cpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["next_pow2", "sm_count", "no_wrap", "stored_end"]
+__all__ = ["next_pow2", "sm_count", "no_wrap", "wrap_triton", "stored_end"]
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -25,9 +25,50 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+# launch options Triton takes besides the kernel's parameters
+_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
+
+
+class _Complete:
+    """``target[grid](*args, **kwargs)`` after checking that the call names every parameter of
+    ``kernel``. ``torch.library.wrap_triton`` analyses a launch (which tensors it mutates) by
+    compiling the kernel with exactly the arguments given: a parameter left to its default makes
+    that analysis fail, torch then assumes every input is mutated, and functionalizing a mutated
+    bool input fails later with an unrelated-looking error. Checked for direct launches too, so
+    the CPU tests (interpreter, no wrap) catch a call site that would break under torch.compile."""
+
+    def __init__(self, kernel, target):
+        self.kernel, self.target = kernel, target
+        names = getattr(kernel, "arg_names", None)
+        if names is None:  # an Autotuner around the JIT function
+            names = kernel.fn.arg_names
+        self.names = tuple(names)
+
+    def __getitem__(self, grid):
+        target = self.target[grid]
+
+        def launch(*args, **kwargs):
+            given = set(self.names[: len(args)]) | (kwargs.keys() - _LAUNCH_OPTIONS)
+            missing = [n for n in self.names if n not in given]
+            if missing:
+                name = getattr(getattr(self.kernel, "fn", self.kernel), "__name__", "kernel")
+                raise TypeError(f"{name} launched without {missing}: pass every kernel parameter explicitly "
+                                "(torch.library.wrap_triton analyses the launch with exactly the arguments given)")
+            return target(*args, **kwargs)
+
+        return launch
+
+
 def no_wrap(kernel):
-    """Launch a kernel directly (``kernel[grid]``); ops pass ``torch.library.wrap_triton`` instead."""
-    return kernel
+    """Launch a kernel directly (``kernel[grid]``), every parameter passed (see :class:`_Complete`);
+    ops pass :func:`wrap_triton` instead."""
+    return _Complete(kernel, kernel)
+
+
+def wrap_triton(kernel):
+    """``torch.library.wrap_triton(kernel)`` (for launches inside ``triton_op`` bodies), every
+    parameter passed (see :class:`_Complete`)."""
+    return _Complete(kernel, torch.library.wrap_triton(kernel))
 
 
 def stored_end(q_positions: torch.Tensor, inflight_positions: torch.Tensor, max_seq: int) -> torch.Tensor:

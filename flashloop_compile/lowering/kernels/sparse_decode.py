@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels.common import next_pow2, sm_count
+from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import _bulk_k, _bulk_v, _flushed_min, _round_to, _row_bases
 
 __all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
@@ -553,15 +553,14 @@ def _check_runnable(device: torch.device) -> None:
 
 
 class _Launcher:
-    """``kernel[grid](...)`` or ``torch.library.wrap_triton(kernel)[grid](...)``."""
+    """``kernel[grid](...)`` or ``torch.library.wrap_triton(kernel)[grid](...)``, every kernel
+    parameter passed (common.no_wrap / common.wrap_triton check it)."""
 
     def __init__(self, wrap: bool):
         self.wrap = wrap
 
     def __call__(self, kernel, grid):
-        if self.wrap:
-            return torch.library.wrap_triton(kernel)[grid]
-        return kernel[grid]
+        return (wrap_triton if self.wrap else no_wrap)(kernel)[grid]
 
 
 def _cpu_semantics(device: torch.device) -> bool:
@@ -595,7 +594,7 @@ def _packed_args(k, packed) -> tuple[tuple, dict]:
     """The scores / PV kernels' packed-source arguments: ``packed`` = (cache tensors, depth, lim
     [B]) or None (then placeholders, PACKED False)."""
     if packed is None:
-        return (k,) * 16 + (0, 0, 0, 0), {}
+        return (k,) * 16 + (0, 0, 0, 0), dict(PACKED=False, GP=64, CD=0, DEPTH=0, RP=4)
     from flashloop_compile.lowering.kernels.packed_kv import _CDTYPE_CODE, _geometry
 
     tensors, depth, lim = packed
