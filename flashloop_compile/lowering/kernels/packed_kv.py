@@ -1283,9 +1283,9 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # benchmarks/RESULTS.md. "linear": False takes the reconstructing kernel (K/V rounded to the
 # compute dtype before the products, as the reference; the linear kernel skips that rounding:
 # equal up to FP32 rounding in FP32, within bf16 tolerance in BF16). "maxnreg": a register cap
-# for the bulk kernel (None: ptxas decides). "mma" (opt-in, untimed): _decode_mma_kernel, the
-# products on fp16 tensor cores in the code domain (head_dim of one or two groups, block_n >= 16);
-# it takes precedence over "linear".
+# for the bulk kernel (None: ptxas decides). "mma" (opt-in): _decode_mma_kernel, the products on
+# fp16 tensor cores in the code domain (head_dim of one or two groups, block_n >= 16); it takes
+# precedence over "linear". Timed in session 7: 2.6-3.8x slower than "linear" (RESULTS.md).
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4, "maxnreg": None, "linear": True,
@@ -1319,8 +1319,10 @@ PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4}, "FLASHLOOP_PACKED_
 # reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
 # (sparse_decode._packed_rows), so packed_read writes only the tail and the step's tokens and the
 # whole-history BF16 copy is neither written nor read back; the outputs are bit-identical
-# (tests/lowering/test_packed_kernels.py). Off until timed on the H200: the bulk read, then the
-# reference over its copy. FLASHLOOP_PACKED_REFERENCE (JSON) overrides.
+# (tests/lowering/test_packed_kernels.py). Off: timed in session 7 it is 1.1-1.3x slower per site
+# than the bulk read then the reference over its copy, and 0.85-0.94x as fast per 32K decode step
+# (RESULTS.md); decoding in the scores/PV kernels' inner loops costs more than the copy saves.
+# FLASHLOOP_PACKED_REFERENCE (JSON) overrides.
 PACKED_REFERENCE = _with_overrides({"fused": False}, "FLASHLOOP_PACKED_REFERENCE")
 
 
