@@ -21,6 +21,7 @@ packed_decode.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from common import cuda_times  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import sparse_decode as SD
 from flashloop_compile.runtime import PackedKVCache
 
 H, D, R = 16, 128, 4
@@ -163,9 +165,15 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
       for what in ("whole history", "selected keys") for kernel in ("generic", "bulk")],
     # sparse decode's loop-2 reference under quantization (packed_reference_attention, fraction
     # 0.1): the bulk read of the whole history then the reference over the copy, vs
-    # PACKED_REFERENCE "fused" (the scores / PV kernels decode the flushed bulk); bit-identical
-    ("reference read then attend", {"reference": False}),
-    ("reference fused", {"reference": True}),
+    # PACKED_REFERENCE "fused" (the scores / PV kernels decode the flushed bulk; bit-identical) and
+    # "linear" (the bulk in the code domain; within the bf16 tolerance, the same count)
+    ("reference read then attend", {"reference": "read"}),
+    ("reference fused", {"reference": "fused"}),
+    ("reference linear", {"reference": "linear"}),
+    *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
+      for name, cfg in (("x8", {"waves_linear": 8}), ("x16", {"waves_linear": 16}),
+                        ("bn32 x8", {"block_n_linear": 32, "waves_linear": 8}),
+                        ("s2 x8", {"num_stages_linear": 2, "waves_linear": 8}))],
 ]
 
 
@@ -198,12 +206,15 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     out_v = torch.empty_like(out_k) if read else None
 
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v, ref_args=ref_args):
-                        if "reference" in kw:  # the flag is read at launch: captured as set here
-                            K.PACKED_REFERENCE["fused"] = kw["reference"]
+                        if "reference" in kw:  # the flags are read at launch: captured as set here
+                            saved, saved_cfg = dict(K.PACKED_REFERENCE), SD.DEFAULT_CONFIG
+                            K.PACKED_REFERENCE.update(fused=kw["reference"] == "fused", linear=kw["reference"] == "linear")
+                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
                             try:
                                 return torch.ops.flashloop.packed_reference_attention(*ref_args)
                             finally:
-                                K.PACKED_REFERENCE["fused"] = False
+                                K.PACKED_REFERENCE.update(saved)
+                                SD.DEFAULT_CONFIG = saved_cfg
                         if kw.get("read"):
                             K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
@@ -213,11 +224,17 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     try:
                         if "reference" in kw:
                             got = fn()
-                            if not kw["reference"]:
+                            if kw["reference"] == "read":
                                 two_step = got
                             else:
-                                two_step = two_step if two_step is not None else fn(kw={"reference": False})
-                                assert all(torch.equal(a, b) for a, b in zip(got, two_step)), "fused reference differs"
+                                two_step = two_step if two_step is not None else fn(kw={"reference": "read"})
+                                if kw["reference"] == "fused":
+                                    assert all(torch.equal(a, b) for a, b in zip(got, two_step)), "fused reference differs"
+                                else:
+                                    assert torch.equal(got[2], two_step[2]), "linear reference: count differs"
+                                    for a, b in zip(got, two_step):
+                                        if a.is_floating_point():
+                                            torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
                         elif read:
                             if read not in read_ref:
                                 read_ref[read] = P.packed_read_aten(*tensors, reads[read], depth, *P.no_inflight(cache, B, q.device))

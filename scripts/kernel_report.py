@@ -170,6 +170,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         packed = (t, depth, torch.full((B,), S - 1, dtype=torch.int64))
         run("sparse packed reference B4 32K",
             lambda: SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps, packed=packed))
+        window = torch.empty(B, H, 192, D, dtype=torch.bfloat16)  # the code-domain reference: codes + a window
+        linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
+        run("sparse linear reference B4 32K",
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
     if only in (None, "read"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
         grid_pos = torch.arange(32768)[None].expand(4, -1)

@@ -486,10 +486,18 @@ def _packed_reference_attention(
     inflight = (inflight_positions, k_inflight, v_inflight)
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_reference_attention_aten(q, *inflight, depth, *cache, mask, scale, fractions, capacities)
-    from flashloop_compile.lowering.kernels.sparse_decode import reference_attention_triton
+    from flashloop_compile.lowering.kernels import sparse_decode as sd
 
     K = _kernels()
     S, D = k_base.shape[2], 2 * k_base.shape[3]
+    if K.PACKED_REFERENCE["linear"] and sd.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
+        # the bulk in the code domain, a window of the ring and in-flight tokens read
+        lo, window = sd.linear_window(cache, depth, inflight_positions)
+        kw = torch.empty(q.shape[0], k_base.shape[1], window.shape[1], D, dtype=k_tail.dtype, device=q.device)
+        vw = torch.empty_like(kw)
+        K.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton)
+        return sd.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
+                                             linear=(cache, depth, lo))
     grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
     k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
     v = torch.empty_like(k)
@@ -500,7 +508,7 @@ def _packed_reference_attention(
         ip = inflight_positions
         lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((q.shape[0],), S)
         packed = (cache, depth, lim)
-    return reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
+    return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
 
 
 # Opaque twins with the ATen bodies: what a CPU trace (torch.compile on CPU) records.

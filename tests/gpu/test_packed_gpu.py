@@ -231,10 +231,13 @@ def test_torch_compile_fullgraph(fast_decode, monkeypatch):
     _assert_same(ce, cc, "compiled decode step")
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["read_then_reference", "fused"])
-def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(fused, monkeypatch):
+@pytest.mark.parametrize("mode", ["read", "fused", "linear"], ids=["read_then_reference", "fused", "linear"])
+def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode, monkeypatch):
     # sparse decode's loop-2 reference under quantization at 4 x 8K (ragged, token-sparse
-    # residuals, one decode token in flight), eagerly and under torch.compile(fullgraph)
+    # residuals, one decode token in flight), eagerly and under torch.compile(fullgraph); the
+    # fused path equals the read-then-reference path bit for bit, the linear (code-domain) one
+    # within the bf16 tolerance with the same counts and a selection that is a top-k of the
+    # two-step path's probabilities
     from flashloop_compile.lowering.kernels import packed_kv as K
 
     torch._dynamo.reset()
@@ -252,12 +255,28 @@ def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(fused
     args = (q, ip, step[3], step[4], 1, *c.op_tensors(0), mask, D**-0.5, [0.1], caps)
     ref = P.packed_reference_attention_aten(*args)
     monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", False)
     two_step = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", fused)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", mode == "fused")
+    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", mode == "linear")
     got = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), fullgraph=True)(*args)
     for name, x, y, z, r in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), got, two_step, compiled, ref):
-        assert torch.equal(x, y) and torch.equal(x, z), name
+        if mode != "linear":
+            assert torch.equal(x, z) and torch.equal(x, y), name  # compiled == eager == two-step
+        elif x.is_floating_point():
+            # Inductor launches the kernels with its own argument specialization, which may change
+            # the FP32 summation order, and so a near-tie of the selection (mass, C_ref): compiled
+            # == eager within the bf16 tolerance (seen: 3e-4 on one mass at 4 x 8K)
+            torch.testing.assert_close(x.float(), z.float(), atol=1e-2, rtol=1e-2)
         if x.is_floating_point():
             torch.testing.assert_close(x.float(), r.float(), atol=1e-2, rtol=1e-2)
+    if mode == "linear":
+        assert torch.equal(got[2], two_step[2]) and torch.equal(got[2], compiled[2])  # counts
+        # the selections' masses agree (above) and almost all keys: the code-domain scores differ
+        # from the bf16-rounded ones by rounding, which reorders only near-ties
+        for other in (two_step, compiled):
+            ka, kb = got[1][0], other[1][0]  # [B, Hq, 1, KMAX], -1 padded
+            same = ((ka.unsqueeze(-1) == kb.unsqueeze(-2)).any(-1) & (ka >= 0)).sum()
+            assert same >= 0.95 * (kb >= 0).sum(), (int(same), int((kb >= 0).sum()))
     assert torch.equal(got[2], ref[2])  # count

@@ -771,6 +771,10 @@ def _decode_bulk_kernel(
         q24 = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sq_d).to(tl.float32)) * 16777216.0
         y = tl.zeros([BN, D // 8, 2, 2, 2], tl.float32)
         yb = tl.zeros([BN, D // 8], tl.float32)
+        # online softmax per key lane (a lane: one key index of the tile, the row of y it feeds),
+        # merged once per split: no reduction across the program's threads per tile
+        m_v = tl.full([BN], float("-inf"), tl.float32)
+        l_v = tl.zeros([BN], tl.float32)
     else:
         qn = tl.load(q + b * sq_b + h * sq_h + tl.arange(0, D) * sq_d).to(tl.float32)
         qe, qo = tl.split(tl.reshape(qn, [HD, 2]))
@@ -792,25 +796,35 @@ def _decode_bulk_kernel(
             ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
                              B, H, S, NB, D, DEPTH)
             s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
-        m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
-        l_i = l_i * alpha + tl.sum(pr, 0)
-        m_i = m_new
         if LINEAR:
+            m_new = tl.maximum(m_v, s)  # the bulk has no masked key: s is finite
+            alpha = tl.exp(m_v - m_new)
+            pr = tl.exp(s - m_new)
+            l_v = l_v * alpha + pr
+            m_v = m_new
             y, yb = _linear_pv(y * alpha[:, None, None, None, None], yb * alpha[:, None], vb_codes, vb_min, vb_scale,
-                               vr_codes, vr_min, vr_scale, rows, res_layout, p, pr, b, B, S, D, G, DEPTH)
+                               vr_codes, vr_min, vr_scale, rows, res_layout, p, pr[:, None], b, B, S, D, G, DEPTH)
         else:
+            m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
+            l_i = l_i * alpha + tl.sum(pr, 0)
+            m_i = m_new
             ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S, D, G, BN, DEPTH)
             acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
             acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
     prow = bh * NSPL + z
     one = tl.arange(0, 1)
-    tl.store(part_ml + prow * 2 + one, m_i)
-    tl.store(part_ml + prow * 2 + 1 + one, l_i)
-    if LINEAR:
-        tl.store(part_acc + prow * D + ch, tl.sum(y + yb[:, :, None, None, None], 0))
+    if LINEAR:  # merge the lanes: m_i is -inf (and l_i 0) for a split without tiles
+        m_i = tl.max(m_v, 0)
+        w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
+        l_i = tl.sum(l_v * w, 0)
+        tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i)
+        tl.store(part_ml + prow * 2 + 1 + one, tl.full([1], 0.0, tl.float32) + l_i)
+        tl.store(part_acc + prow * D + ch, tl.sum((y + yb[:, :, None, None, None]) * w[:, None, None, None, None], 0))
     else:
+        tl.store(part_ml + prow * 2 + one, m_i)
+        tl.store(part_ml + prow * 2 + 1 + one, l_i)
         o = prow * D + 2 * i[None, :]
         tl.store(part_acc + o, acc_e)
         tl.store(part_acc + o + 1, acc_o)
@@ -865,12 +879,25 @@ def _word_groups(ptr, r, D: tl.constexpr, G: tl.constexpr, rmask=None):
     its group's. One load of a row's D/G groups (fewer elements than a program's threads: no
     layout anchor), broadcast over the words of each group."""
     NG: tl.constexpr = D // G
-    vp = r[:, None, None] * NG + tl.arange(0, NG)[None, :, None]
-    if rmask is None:
-        v = tl.load(ptr + vp)
+    if NG % 2 == 0:
+        # a row's groups as 32-bit words (fp16 pairs): loads of 4 bytes per thread, which the
+        # software pipeliner turns into cp.async like the codes; 2-byte loads it leaves
+        # synchronous, a full memory latency in every key tile
+        NW2: tl.constexpr = NG // 2
+        wp = r[:, None] * NW2 + tl.arange(0, NW2)[None, :]
+        words = ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        if rmask is None:
+            w = tl.load(words + wp)
+        else:
+            w = tl.load(words + wp, mask=rmask[:, None], other=0)
+        v = tl.reshape(_fp16_halves(w), [r.shape[0], NG])[:, :, None]
     else:
-        v = tl.load(ptr + vp, mask=rmask[:, None, None], other=0.0)
-    return tl.reshape(tl.broadcast_to(v.to(tl.float32), [r.shape[0], NG, G // 8]), [r.shape[0], D // 8])
+        vp = r[:, None, None] * NG + tl.arange(0, NG)[None, :, None]
+        if rmask is None:
+            v = tl.load(ptr + vp).to(tl.float32)
+        else:
+            v = tl.load(ptr + vp, mask=rmask[:, None, None], other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(v, [r.shape[0], NG, G // 8]), [r.shape[0], D // 8])
 
 
 @triton.jit
@@ -1286,6 +1313,9 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # for the bulk kernel (None: ptxas decides). "mma" (opt-in): _decode_mma_kernel, the products on
 # fp16 tensor cores in the code domain (head_dim of one or two groups, block_n >= 16); it takes
 # precedence over "linear". Timed in session 7: 2.6-3.8x slower than "linear" (RESULTS.md).
+# Session 8: the linear kernel keeps its online softmax per key lane (no cross-warp reduction per
+# tile) and loads V parameters as 32-bit words (pipelined): 128/227/394/792 us at B1/B4 x depth 1/3
+# (was 163/232/499/794); waves 8 ties (135/225/397/739).
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4, "maxnreg": None, "linear": True,
@@ -1322,8 +1352,17 @@ PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4}, "FLASHLOOP_PACKED_
 # (tests/lowering/test_packed_kernels.py). Off: timed in session 7 it is 1.1-1.3x slower per site
 # than the bulk read then the reference over its copy, and 0.85-0.94x as fast per 32K decode step
 # (RESULTS.md); decoding in the scores/PV kernels' inner loops costs more than the copy saves.
+# "linear" (takes precedence where sparse_decode.linear_fits: one query row per kv head, as Ouro's
+# decode): the bulk in the code domain (sparse_decode._scores_linear_kernel / _pv_linear_kernel, the
+# linear decode kernel's arithmetic: no reconstructed K/V, scores and every O_ref / C_ref slot from
+# one pass over the codes each), packed_read only for a window of about 2 groups + the step's
+# tokens (sparse_decode.linear_window); equal to the reference up to FP32 rounding, up to the
+# compute-dtype rounding of K/V in bf16 (tests/lowering/test_reference_linear.py). Timed in session
+# 8 (one site, 32K): 227/325/664/1011 us at B1/B4 x depth 1/3 against 356/481/1158/1585 for the read
+# then reference (the default until then) and 415/565/1529/2274 fused; the 4x32K sparse + quant step
+# 0.53x -> 0.76x of dense (RESULTS.md).
 # FLASHLOOP_PACKED_REFERENCE (JSON) overrides.
-PACKED_REFERENCE = _with_overrides({"fused": False}, "FLASHLOOP_PACKED_REFERENCE")
+PACKED_REFERENCE = _with_overrides({"fused": False, "linear": True}, "FLASHLOOP_PACKED_REFERENCE")
 
 
 _PINNED: dict = {}

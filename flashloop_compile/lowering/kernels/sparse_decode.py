@@ -59,9 +59,12 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, sm_count, wrap_triton
-from flashloop_compile.lowering.kernels.packed_kv import _bulk_k, _bulk_v, _flushed_min, _round_to, _row_bases
+from flashloop_compile.lowering.kernels.packed_kv import (
+    _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _linear_scores, _round_to, _row_bases, _row_sums,
+    _word_groups, _word_pairs,
+)
 
-__all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig"]
+__all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig", "linear_fits", "linear_window"]
 
 RADIX_BITS = 8  # 4 digits (8, 8, 8, 6 bits) cover the 30-bit probability keys
 KEY_BITS = 30
@@ -188,6 +191,84 @@ def _scores_kernel(
         m_i = m_new
     tl.store(pm_ptr + row * SPLIT + pid_s, m_i, mask=r_ok)
     tl.store(pl_ptr + row * SPLIT + pid_s, l_i, mask=r_ok)
+
+
+@triton.jit
+def _lane_softmax(m_v, l_v, s):
+    """One tile's scores s [BN] into per-lane online-softmax partials (running max m_v, sum of
+    exponentials l_v relative to it); -inf scores add nothing."""
+    m_new = tl.maximum(m_v, s)
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no (-inf) - (-inf)
+    return m_new, l_v * tl.exp(m_v - m_use) + tl.exp(s - m_use)
+
+
+@triton.jit
+def _scores_linear_kernel(
+    q_ptr, k_ptr, mask_ptr, s_ptr, pm_ptr, pl_ptr, lo_ptr,
+    S, HKV, scale, NW,
+    sqb, sqh, sqd,
+    skb, skh, sks, skd,
+    smb, smh, sms,
+    CHUNK, SPLIT,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+    B, NB, CAPT,
+    D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
+):
+    """_scores_kernel for one query row per kv head (row = b * HKV + hk) over a packed history:
+    the keys below lo[b] (a multiple of BN at or below every depth's flushed boundary and the
+    first in-flight position) in the code domain (_linear_scores: no reconstructed K, one pass
+    over the codes), the NW keys from lo[b] on from the buffer k_ptr [B, HKV, NW, D] that
+    packed_read filled (tail, ring, in-flight tokens)."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    row = pid_bh.to(tl.int64)
+    ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
+    # q's even and odd channels as two loads of D/2 (as the linear decode kernel): fewer elements
+    # than the program's threads, so no layout anchor that the code tiles would be converted to
+    qc = q_ptr + b * sqb + hk * sqh + (2 * _word_pairs(D))[None] * sqd
+    q24 = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sqd).to(tl.float32)) * 16777216.0
+    qn = q24 * (1.0 / 16777216.0)
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        b * HKV + hk, S, NB, CAPT, D, GP,
+    )
+    lo = tl.load(lo_ptr + b).to(tl.int32)
+    start = pid_s * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    mid = tl.maximum(tl.minimum(lo, end), start)
+    m_base = mask_ptr + b * smb + hk * smh
+    # online-softmax partials per key lane (lane = key index within a tile), merged once at the
+    # end: no reduction across the program's threads per tile
+    m_v = tl.full([BN], float("-inf"), tl.float32)
+    l_v = tl.zeros([BN], tl.float32)
+    for n0 in tl.range(start, mid, BN, num_stages=STAGES):
+        n = n0 + tl.arange(0, BN)
+        s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, n,
+                           n0 // GP, q24, b, hk, B, HKV, S, NB, D, DEPTH) * scale_f
+        s = tl.where(tl.load(m_base + n.to(tl.int64) * sms) != 0, s, float("-inf"))
+        tl.store(s_ptr + row * S + n, s)
+        m_v, l_v = _lane_softmax(m_v, l_v, s)
+    k_row = k_ptr + b * skb + hk * skh
+    for n0 in range(mid, end, BN):
+        n = n0 + tl.arange(0, BN)
+        n_ok = n < end
+        idx = (n - lo).to(tl.int64)
+        in_buf = n_ok & (idx < NW)
+        kt = tl.load(k_row + idx[:, None, None, None, None] * sks + ch[None] * skd,
+                     mask=in_buf[:, None, None, None, None], other=0.0).to(tl.float32)
+        s = _row_sums(kt * qn) * scale_f
+        vis = tl.load(m_base + n.to(tl.int64) * sms, mask=n_ok, other=0) != 0
+        s = tl.where(vis & in_buf, s, float("-inf"))
+        tl.store(s_ptr + row * S + n, s, mask=n_ok)
+        m_v, l_v = _lane_softmax(m_v, l_v, s)
+    m_i = tl.max(m_v, 0)
+    l_i = tl.sum(l_v * tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0)), 0)
+    tl.store(pm_ptr + row * SPLIT + pid_s, m_i)
+    tl.store(pl_ptr + row * SPLIT + pid_s, l_i)
 
 
 @triton.jit
@@ -400,6 +481,98 @@ def _pv_kernel(
 
 
 @triton.jit
+def _pv_linear_kernel(
+    p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr, lo_ptr,
+    S, HKV, R, E_TOTAL, NW,
+    svb, svh, svs, svd,
+    CHUNK,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+    B, NB, CAPT,
+    D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
+):
+    """_pv_kernel for one query row per kv head (row = b * HKV + hk) and one fraction over a
+    packed history: slot 0 (every key: O_ref) and slot 1 (the selection: C_ref, mass) share one
+    pass over V; the keys below lo[b] in the code domain (as the linear decode's _linear_pv: one
+    code conversion, then one FMA per element and slot; V's minima per row and group), the rest
+    from the buffer v_ptr [B, HKV, NW, D]. The probabilities are normalized: no rescaling.
+    Partials in _pv_kernel's layout for _pv_combine_kernel."""
+    W: tl.constexpr = D // 8
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    hk = (pid_bh % HKV).to(tl.int64)
+    row = pid_bh.to(tl.int64)
+    thr = tl.load(thr_ptr + row)
+    cut = tl.load(cut_ptr + row)
+    words = tl.arange(0, W)[None, :]
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        b * HKV + hk, S, NB, CAPT, D, GP,
+    )
+    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    lo = tl.load(lo_ptr + b).to(tl.int32)
+    start = pid_s * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    mid = tl.maximum(tl.minimum(lo, end), start)
+    # per-row partials in _code_units' order (summed over rows once), slot 0 and slot 1
+    y0 = tl.zeros([BN, W, 2, 2, 2], tl.float32)
+    y1 = tl.zeros([BN, W, 2, 2, 2], tl.float32)
+    yb0 = tl.zeros([BN, W], tl.float32)  # the minima's share, per word
+    yb1 = tl.zeros([BN, W], tl.float32)
+    m0 = tl.zeros([BN], tl.float32)  # masses per key lane, summed once at the end
+    m1 = tl.zeros([BN], tl.float32)
+    for n0 in tl.range(start, mid, BN, num_stages=STAGES):
+        n = n0 + tl.arange(0, BN)
+        pv = tl.load(p_ptr + row * S + n)
+        key = _prob_key(pv)
+        pa = tl.maximum(pv, 0.0)
+        ps = tl.where((key > thr) | ((key == thr) & (n <= cut)), pa, 0.0)
+        m0 += pa
+        m1 += ps
+        pa24 = pa[:, None] * 16777216.0  # the codes come as code * 2^-24
+        ps24 = ps[:, None] * 16777216.0
+        mn = _word_groups(vb_min, n, D, GP)
+        sc = _word_groups(vb_scale, n, D, GP)
+        c = _code_units(tl.load(vb_words + n[:, None] * W + words))
+        y0 += c * (pa24 * sc)[:, :, None, None, None]
+        y1 += c * (ps24 * sc)[:, :, None, None, None]
+        for j in tl.static_range(1, DEPTH + 1):
+            has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, n)
+            mn += _word_groups(vr_min, g, D, GP, has)
+            sc = _word_groups(vr_scale, g, D, GP)
+            c = _code_units(tl.load(vr_words + g[:, None] * W + words, mask=has[:, None], other=0))
+            y0 += c * (pa24 * sc)[:, :, None, None, None]
+            y1 += c * (ps24 * sc)[:, :, None, None, None]
+        yb0 += pa[:, None] * mn
+        yb1 += ps[:, None] * mn
+    ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
+    v_row = v_ptr + b * svb + hk * svh
+    for n0 in range(mid, end, BN):
+        n = n0 + tl.arange(0, BN)
+        n_ok = n < end
+        idx = (n - lo).to(tl.int64)
+        in_buf = n_ok & (idx < NW)
+        pv = tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0)
+        key = _prob_key(pv)
+        pa = tl.where(in_buf, tl.maximum(pv, 0.0), 0.0)
+        ps = tl.where((key > thr) | ((key == thr) & (n <= cut)), pa, 0.0)
+        m0 += pa
+        m1 += ps
+        vt = tl.load(v_row + idx[:, None, None, None, None] * svs + ch[None] * svd,
+                     mask=in_buf[:, None, None, None, None], other=0.0).to(tl.float32)
+        y0 += vt * pa[:, None, None, None, None]
+        y1 += vt * ps[:, None, None, None, None]
+    o0 = pid_s * E_TOTAL + row  # [slot, row] in the 2 x R partial layout
+    o1 = o0 + R
+    tl.store(po_ptr + o0 * D + ch, tl.sum(y0 + yb0[:, :, None, None, None], 0))
+    tl.store(po_ptr + o1 * D + ch, tl.sum(y1 + yb1[:, :, None, None, None], 0))
+    tl.store(pmass_ptr + o0, tl.sum(m0, 0))
+    tl.store(pmass_ptr + o1, tl.sum(m1, 0))
+
+
+@triton.jit
 def _pv_combine_kernel(
     po_ptr, pmass_ptr, out_ptr, oref_ptr, cref_ptr, mass_ptr,
     R, E_TOTAL, SPLIT,
@@ -524,10 +697,16 @@ class KernelConfig:
     num_warps_sel: int = 8
     num_warps_compact: int = 4
     num_warps_corr: int = 4
+    block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
+    block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
+    num_warps_linear: int = 4
+    num_stages_linear: int = 3
+    waves_linear: int = 4  # linear kernels: splits of S for about this many programs per SM (with split_kv None)
 
 
 DEFAULT_CONFIG = KernelConfig()
-INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64)
+INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64,
+                                  block_n_linear=16, block_n_pv_linear=16)
 
 
 
@@ -610,15 +789,68 @@ def _packed_args(k, packed) -> tuple[tuple, dict]:
     return args, dict(PACKED=True, GP=G, CD=_CDTYPE_CODE[k.dtype], DEPTH=depth, RP=next_pow2(R))
 
 
+def _linear_args(linear):
+    """The linear scores / PV kernels' packed-source arguments: ``linear`` = (cache tensors, depth, lo [B])."""
+    from flashloop_compile.lowering.kernels.packed_kv import _geometry
+
+    tensors, depth, lo = linear
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     _k_tail, _v_tail, _flushed, _row_count, rows, _depth_count, res_layout, _overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    args = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, NB, CAPT)
+    return args, lo, S, G, depth
+
+
+def linear_fits(q, k_heads: int, head_dim: int, group: int, fractions, config: KernelConfig | None = None) -> bool:
+    """Whether the code-domain reference applies: one query row per kv head (q [B, Hq, T, D] with
+    Hq == Hkv and T == 1), one key fraction, a power-of-two head_dim and a key tile that lies in
+    one K block."""
+    cfg = _config_for(q.device, config)
+    return (q.shape[1] == k_heads and q.shape[2] == 1 and len(fractions) == 1 and not head_dim & (head_dim - 1) and head_dim >= 8
+            and group % cfg.block_n_linear == 0 and cfg.block_n_linear % cfg.block_n_pv_linear == 0)
+
+
+def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig | None = None):
+    """(lo [B], positions [B, NW]) of the code-domain reference over the packed cache ``tensors``
+    at ``depth`` for a step whose tokens are at inflight_positions [B, Ti] (-1: padding): lo[b]
+    is every depth's flushed boundary (0..depth) and the first in-flight position, whichever is
+    smallest, rounded down to the key tile; below it the reference reads the codes, from it on
+    the NW positions (-1 past the cache) that packed_read must return. NW covers the ring
+    (< 2 * tail tokens, tail = group), the in-flight tokens and both roundings. Device ops only."""
+    from flashloop_compile.lowering.kernels.packed_kv import _geometry
+
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    flushed = tensors[14]
+    ip = inflight_positions
+    bc, ti = ip.shape
+    bn = _config_for(ip.device, config).block_n_linear
+    lim = torch.where(ip >= 0, ip, S).amin(1) if ti else ip.new_full((bc,), S)
+    bound = torch.minimum(flushed[:bc, : depth + 1].amin(1).to(lim.dtype), lim)
+    lo = torch.div(bound, bn, rounding_mode="floor") * bn
+    nw = min(_cdiv(2 * G + ti + 2 * bn, bn) * bn, _cdiv(S, bn) * bn)
+    pos = lo[:, None] + torch.arange(nw, device=ip.device, dtype=lo.dtype)[None]
+    return lo, torch.where(pos < S, pos, -1)
+
+
 def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False,
-                               config: KernelConfig | None = None, packed=None):
+                               config: KernelConfig | None = None, packed=None, linear=None):
     """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body.
 
     ``packed`` = (packed cache tensors, depth, lim [B]): k/v are the cache's whole history at
     ``depth`` as ``packed_read`` returns it, except that the positions below every depth's flushed
     boundary and below lim (the first in-flight position) need not be written there: the scores
     and PV kernels decode those from the packed tiles (``launch_packed_read(skip_bulk=True)``
-    writes only the rest), bit for bit as the bulk read would have written them."""
+    writes only the rest), bit for bit as the bulk read would have written them.
+
+    ``linear`` = (packed cache tensors, depth, lo [B]) (``linear_fits`` must hold): the keys below
+    lo[b] (a multiple of the config's ``block_n_linear``, at or below every depth's flushed
+    boundary up to ``depth`` and the first in-flight position) are attended in the code domain,
+    without reconstructing K/V (the scores and PV products on the codes, as the linear decode
+    kernel: the compute-dtype rounding of K/V is not applied there); k/v [B, Hkv, NW, D] hold the
+    NW positions lo[b] .. lo[b] + NW - 1 (packed_read of those positions), which must cover every
+    visible key from lo[b] on."""
     from flashloop_compile.lowering.ops import key_counts
 
     launch = _Launcher(wrap)
@@ -627,6 +859,8 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     dev = q.device
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
+    if linear is not None:  # k/v hold the NW positions from lo on; the history is the cache's
+        s = linear[0][0].shape[2]
     g = hq // hkv
     f = len(fractions)
     kmax = max(capacities)
@@ -649,19 +883,41 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     block_m = max(16, next_pow2(min(m_group, 64)))
     m_chunks = _cdiv(m_group, block_m)
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * m_chunks))
-    chunk_a, split_a = _split(s, cfg.block_n, want)
+    bnl = cfg.block_n_linear
+    if linear is not None:
+        want = cfg.split_kv or min(128, _cdiv(cfg.waves_linear * n_sm, b * hkv))
+    chunk_a, split_a = _split(s, bnl if linear is not None else cfg.block_n, want)
     probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
     part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
-    pargs, pkw = _packed_args(k, packed)
-    launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
-        q, k, mask_full, probs, part_m, part_l,
-        s, hkv, m_group, float(scale),
-        *q.stride(), *k.stride(), *mask_full.stride(),
-        chunk_a, split_a, *pargs, **pkw,
-        G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps_kv * (2 if block_m * d >= 64 * 128 else 1), num_stages=cfg.num_stages_kv,
-    )
+    if linear is not None:
+        if packed is not None:
+            raise ValueError("reference_attention_triton: pass packed or linear, not both")
+        largs, lo, _s, gp, depth = _linear_args(linear)
+        if not linear_fits(q, hkv, d, gp, fractions, cfg):
+            raise ValueError(f"the code-domain reference needs one query row per kv head, one key fraction, a "
+                             f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
+                             f"{tuple(q.shape)}, {hkv} kv heads, {len(fractions)} fractions, group {gp}")
+        nw = k.shape[2]
+        launch(_scores_linear_kernel, (b * hkv, split_a))(
+            q, k, mask_full, probs, part_m, part_l, lo,
+            s, hkv, float(scale), nw,
+            q.stride(0), q.stride(1), q.stride(3), *k.stride(),
+            mask_full.stride(0), mask_full.stride(1), mask_full.stride(3),
+            chunk_a, split_a, *largs,
+            D=d, GP=gp, BN=bnl, DEPTH=depth, STAGES=cfg.num_stages_linear,
+            num_warps=cfg.num_warps_linear,
+        )
+    else:
+        pargs, pkw = _packed_args(k, packed)
+        launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
+            q, k, mask_full, probs, part_m, part_l,
+            s, hkv, m_group, float(scale),
+            *q.stride(), *k.stride(), *mask_full.stride(),
+            chunk_a, split_a, *pargs, **pkw,
+            G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n, UPCAST=upcast, DOT_PRECISION=precision,
+            num_warps=cfg.num_warps_kv * (2 if block_m * d >= 64 * 128 else 1), num_stages=cfg.num_stages_kv,
+        )
 
     # 2. radix select (probabilities written in place of the scores)
     digits = _radix_digits()
@@ -705,19 +961,31 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     block_e = max(16, next_pow2(min(e_group, 64)))
     e_chunks = _cdiv(e_group, block_e)
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * e_chunks))
+    if linear is not None:
+        want = cfg.split_kv or min(128, _cdiv(cfg.waves_linear * n_sm, b * hkv))
     block_n_pv = cfg.block_n_pv or cfg.block_n
-    chunk_c, split_c = _split(s, block_n_pv, want)
+    chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
     e_total = (f + 1) * rows
     part_o = torch.empty(split_c, e_total, d, dtype=torch.float32, device=dev)
     part_mass = torch.empty(split_c, e_total, dtype=torch.float32, device=dev)
-    launch(_pv_kernel, (b * hkv, split_c, e_chunks))(
-        probs, v, thr, cut, part_o, part_mass,
-        s, hkv, rows, m_group, e_group, e_total,
-        *v.stride(),
-        chunk_c, *pargs, **pkw,
-        D=d, BLOCK_E=block_e, BLOCK_N=block_n_pv, SPLIT_P_BF16=v.dtype == torch.bfloat16 and not upcast,
-        num_warps=cfg.num_warps_pv * (2 if block_e * d >= 64 * 128 else 1), num_stages=cfg.num_stages_pv,
-    )
+    if linear is not None:
+        launch(_pv_linear_kernel, (b * hkv, split_c))(
+            probs, v, thr, cut, part_o, part_mass, lo,
+            s, hkv, rows, e_total, nw,
+            *v.stride(),
+            chunk_c, *largs,
+            D=d, GP=gp, BN=cfg.block_n_pv_linear, DEPTH=depth, STAGES=cfg.num_stages_linear,
+            num_warps=cfg.num_warps_linear,
+        )
+    else:
+        launch(_pv_kernel, (b * hkv, split_c, e_chunks))(
+            probs, v, thr, cut, part_o, part_mass,
+            s, hkv, rows, m_group, e_group, e_total,
+            *v.stride(),
+            chunk_c, *pargs, **pkw,
+            D=d, BLOCK_E=block_e, BLOCK_N=block_n_pv, SPLIT_P_BF16=v.dtype == torch.bfloat16 and not upcast,
+            num_warps=cfg.num_warps_pv * (2 if block_e * d >= 64 * 128 else 1), num_stages=cfg.num_stages_pv,
+        )
     out = q.new_empty(b, hq, t, d)
     o_ref = torch.empty(b, hq, t, d, dtype=torch.float32, device=dev)
     c_ref = torch.empty(f, b, hq, t, d, dtype=torch.float32, device=dev)
