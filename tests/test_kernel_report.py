@@ -70,3 +70,23 @@ def test_linear_decode_kernel_at_depth_three_holds_twelve_warps_per_sm():
     assert linear["kernel"].endswith("[_decode_bulk_kernel]")
     assert linear["spill_ops"] == 0 and linear["warps_per_sm"] >= 12, linear
     assert linear["instructions"] < old["instructions"], (linear["instructions"], old["instructions"])
+
+
+@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
+def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_parameter_loads():
+    # Session 8: the code-domain loop-2 reference. A 2-byte load per thread is left synchronous by
+    # Triton's pipeliner (cp.async needs 4 bytes): with the V parameters loaded as fp16 the PV
+    # kernel waited a memory latency per key tile (3x slower on the H200); as 32-bit words there is
+    # no LDG.E.U16 left in it. Both kernels must compile without spills at ouro-1.4b's shape.
+    run = subprocess.run(
+        [sys.executable, "scripts/kernel_report.py", "--only", "sparse", "--json"],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    scores = rows["sparse linear reference B4 32K [_scores_linear_kernel]"]
+    pv = rows["sparse linear reference B4 32K [_pv_linear_kernel]"]
+    for r in (scores, pv):
+        assert r["spill_ops"] == 0 and r["warps_per_sm"] >= 8, r
+    assert pv["loads"].get("LDG.E.U16", 0) == 0, pv["loads"]
+    assert pv["loads"].get("LDGSTS.E.BYPASS.128", 0) > 0  # the codes by cp.async
