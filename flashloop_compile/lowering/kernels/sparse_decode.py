@@ -800,7 +800,7 @@ def _linear_args(linear):
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     args = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, NB, CAPT)
-    return args, lo, S, G, depth
+    return args, lo, G, depth
 
 
 def linear_fits(q, k_heads: int, head_dim: int, group: int, fractions, config: KernelConfig | None = None) -> bool:
@@ -808,8 +808,8 @@ def linear_fits(q, k_heads: int, head_dim: int, group: int, fractions, config: K
     Hq == Hkv and T == 1), one key fraction, a power-of-two head_dim and a key tile that lies in
     one K block."""
     cfg = _config_for(q.device, config)
-    return (q.shape[1] == k_heads and q.shape[2] == 1 and len(fractions) == 1 and not head_dim & (head_dim - 1) and head_dim >= 8
-            and group % cfg.block_n_linear == 0 and cfg.block_n_linear % cfg.block_n_pv_linear == 0)
+    return (q.shape[1] == k_heads and q.shape[2] == 1 and len(fractions) == 1
+            and not head_dim & (head_dim - 1) and head_dim >= 8 and group % cfg.block_n_linear == 0 and cfg.block_n_linear % cfg.block_n_pv_linear == 0)
 
 
 def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig | None = None):
@@ -893,7 +893,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     if linear is not None:
         if packed is not None:
             raise ValueError("reference_attention_triton: pass packed or linear, not both")
-        largs, lo, _s, gp, depth = _linear_args(linear)
+        largs, lo, gp, depth = _linear_args(linear)
         if not linear_fits(q, hkv, d, gp, fractions, cfg):
             raise ValueError(f"the code-domain reference needs one query row per kv head, one key fraction, a "
                              f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
