@@ -38,6 +38,7 @@ from common import cuda_times  # noqa: E402
 from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_kv as K
 from flashloop_compile.lowering.kernels import sparse_decode as SD
+from flashloop_compile.passes.kv_quant import local_keys, selected_positions
 from flashloop_compile.runtime import PackedKVCache
 
 H, D, R = 16, 128, 4
@@ -174,6 +175,12 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
       for name, cfg in (("x8", {"waves_linear": 8}), ("x16", {"waves_linear": 16}),
                         ("bn32 x8", {"block_n_linear": 32, "waves_linear": 8}),
                         ("s2 x8", {"num_stages_linear": 2, "waves_linear": 8}))],
+    # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
+    # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
+    # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window
+    # read for the ring and the step's token; within the bf16 tolerance of the first)
+    ("correction read then correct", {"correction": "read"}),
+    ("correction linear", {"correction": "linear"}),
 ]
 
 
@@ -199,6 +206,14 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                 mask = (torch.arange(S, device="cuda")[None, :] <= pd)[:, None, None, :]
                 ref_args = (q, pd, kd, vd, depth, *tensors, mask, scale, [0.1], [-(-S // 10)])
                 two_step = None  # the unfused reference's outputs, which the fused one must equal
+                corr_read = None  # the read-then-correct output, which the linear correction must match
+                corr_cache = []
+
+                def corr_inputs(ref_args=ref_args, corr_cache=corr_cache):  # loop 2's statistics, once per depth
+                    if not corr_cache:
+                        corr_cache.append(torch.ops.flashloop.packed_reference_attention(*ref_args))
+                    return corr_cache[0]
+                corr_inputs()  # outside any graph capture
                 for name, kw in [(n, kw) for n, kw in SWEEP if any(v in n for v in args.variants.split("|"))]:
                     read = kw.get("read", False)
                     n_read = reads[read].shape[-1] if read else 0
@@ -215,6 +230,21 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                             finally:
                                 K.PACKED_REFERENCE.update(saved)
                                 SD.DEFAULT_CONFIG = saved_cfg
+                        if "correction" in kw:
+                            _, keys, count, mass, o_ref, c_ref = corr_inputs()
+                            if kw["correction"] == "read":
+                                sel = selected_positions(keys[0], count[0], H)
+                                k_sel = torch.empty(B, H, sel.shape[-1], D, device="cuda", dtype=DT)
+                                v_sel = torch.empty_like(k_sel)
+                                K.launch_packed_read(tensors, sel, depth, k_sel, v_sel, inflight=(pd, kd, vd))
+                                return SD.correction_attention_triton(q, k_sel, v_sel, local_keys(keys[0], H), count[0],
+                                                                      mass[0], o_ref, c_ref[0], scale)
+                            lo, window = SD.linear_window(tensors, depth, pd)
+                            k_w = torch.empty(B, H, window.shape[1], D, device="cuda", dtype=DT)
+                            v_w = torch.empty_like(k_w)
+                            K.launch_packed_read(tensors, window, depth, k_w, v_w, inflight=(pd, kd, vd))
+                            return SD.correction_linear_triton(q, k_w, v_w, keys[0], count[0], mass[0], o_ref, c_ref[0],
+                                                               scale, (tensors, depth, lo))
                         if kw.get("read"):
                             K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
@@ -222,7 +252,14 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out
                     try:
-                        if "reference" in kw:
+                        if "correction" in kw:
+                            got = fn()
+                            if kw["correction"] == "read":
+                                corr_read = got
+                            else:
+                                corr_read = corr_read if corr_read is not None else fn(kw={"correction": "read"})
+                                torch.testing.assert_close(got.float(), corr_read.float(), atol=1e-2, rtol=1e-2)
+                        elif "reference" in kw:
                             got = fn()
                             if kw["reference"] == "read":
                                 two_step = got
@@ -251,7 +288,10 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     # a read: its share of the packed bytes (scattered keys: a lower bound, the K
                     # parameters are per 64-token block) + the BF16 K/V it writes
                     moved = nbytes * n_read // (S - 1) + 2 * B * H * n_read * D * 2 if read else nbytes
-                    kind = "reference" if "reference" in kw else "read" if read else "attention"
+                    if "correction" in kw:  # about the selected tenth of the packed bytes (a lower bound)
+                        moved = nbytes // 10
+                    kind = ("reference" if "reference" in kw else "correction" if "correction" in kw
+                            else "read" if read else "attention")
                     rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
                                  "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": kind})
                     print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {moved / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)

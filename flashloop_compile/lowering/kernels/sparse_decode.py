@@ -60,11 +60,11 @@ import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import (
-    _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _linear_scores, _round_to, _row_bases, _row_sums,
-    _word_groups, _word_pairs,
+    _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
+    _row_sums, _word_groups, _word_pairs,
 )
 
-__all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig", "linear_fits", "linear_window"]
+__all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig", "linear_fits", "linear_window", "correction_linear_triton"]
 
 RADIX_BITS = 8  # 4 digits (8, 8, 8, 6 bits) cover the 30-bit probability keys
 KEY_BITS = 30
@@ -646,6 +646,116 @@ def _correction_kernel(
 
 
 @triton.jit
+def _key_params(ptr, blk, D: tl.constexpr):
+    """FP32 per-channel K parameters [BK, D/8, 2, 2, 2] (_code_units' order) of each key's block
+    blk [BK] in the fp16 table ptr: a block's D/2 pair words per key (scattered keys each carry
+    their block's parameters; neighbours in a block hit the same lines)."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + blk[:, None] * (D // 2)
+                + tl.arange(0, D // 2)[None, :])
+    return _fp16_halves(tl.reshape(w, [blk.shape[0], D // 8, 2, 2]))
+
+
+@triton.jit
+def _correction_linear_kernel(
+    q_ptr, win_k, win_v, keys_ptr, count_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr, lo_ptr,
+    pm_ptr, pl_ptr, pacc_ptr,
+    HQ, KMAX, NW, CHUNK, SPLIT, scale,
+    sqb, sqh, sqd,
+    swb, swh, sws, swd,
+    sob, soh, sod,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+    B, S, NB, CAPT,
+    D: tl.constexpr, GP: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr, FINAL: tl.constexpr,
+):
+    """_correction_kernel for one query row per kv head (row = b * HQ + h) over a packed history,
+    without a packed_read of the selected keys: a key below lo[b] is scored and weighted on its
+    codes (base + residuals 1..DEPTH where present, its K block's parameters, its V row's group
+    parameters), a key from lo[b] on (ring, in-flight) comes from the window win_k/win_v
+    [B, H, NW, D] (linear_window's positions). Online softmax per key lane; split z of SPLIT
+    takes the selected keys [z * CHUNK, (z + 1) * CHUNK): with one split it writes
+    O_ref - C_ref + m * local, otherwise _correction_kernel's partials for
+    _correction_combine_kernel."""
+    W: tl.constexpr = D // 8
+    row = tl.program_id(0).to(tl.int64)
+    z = tl.program_id(1)
+    b = row // HQ
+    h = row % HQ
+    scale_f = tl.cast(scale, tl.float32)
+    ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
+    qc = q_ptr + b * sqb + h * sqh + (2 * _word_pairs(D))[None] * sqd
+    qn = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sqd).to(tl.float32))  # [1, D/8, 2, 2, 2]
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        b * HQ + h, S, NB, CAPT, D, GP,
+    )
+    kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.arange(0, W)[None, :]
+    lo = tl.load(lo_ptr + b).to(tl.int32)
+    cnt = tl.minimum(tl.load(count_ptr + row), KMAX)
+    m_v = tl.full([BK], float("-inf"), tl.float32)
+    l_v = tl.zeros([BK], tl.float32)
+    y = tl.zeros([BK, W, 2, 2, 2], tl.float32)  # per-lane sums of p * v
+    wk = win_k + b * swb + h * swh
+    wv = win_v + b * swb + h * swh
+    j_end = tl.minimum(z * CHUNK + CHUNK, cnt)
+    for j0 in range(z * CHUNK, j_end, BK):
+        j = j0 + tl.arange(0, BK)
+        j_ok = j < j_end
+        p = tl.load(keys_ptr + row * KMAX + j, mask=j_ok, other=0)
+        bulk = j_ok & (p < lo)
+        pc = tl.where(bulk, p, 0)  # codes of position 0 where not bulk (discarded)
+        blk = pc // GP
+        kk = _code_units(tl.load(kb_words + pc[:, None] * W + words)) * 16777216.0 * \
+            _key_params(kb_scale, blk, D) + _key_params(kb_min, blk, D)
+        c = _code_units(tl.load(vb_words + pc[:, None] * W + words)) * 16777216.0
+        vv = c * _word_groups(vb_scale, pc, D, GP)[:, :, None, None, None] + \
+            _word_groups(vb_min, pc, D, GP)[:, :, None, None, None]
+        for dj in tl.static_range(1, DEPTH + 1):
+            has, g = _bulk_residual_rows(rows, res_layout, dj, b, B, S, pc)
+            has = has & bulk
+            pk = (((dj - 1) * B + b) * HQ + h) * NB * D
+            ck = _code_units(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0)) * 16777216.0
+            kr = ck * _key_params(k_res_scale + pk, blk, D) + _key_params(k_res_min + pk, blk, D)
+            kk += tl.where(has[:, None, None, None, None], kr, 0.0)
+            cv = _code_units(tl.load(vr_words + g[:, None] * W + words, mask=has[:, None], other=0)) * 16777216.0
+            vr = cv * _word_groups(vr_scale, g, D, GP, has)[:, :, None, None, None] + \
+                _word_groups(vr_min, g, D, GP, has)[:, :, None, None, None]
+            vv += vr  # absent: codes and parameters load as 0
+        # keys from lo on: the window (positions lo .. lo + NW - 1)
+        wi = (p - lo).to(tl.int64)
+        in_win = j_ok & ~bulk & (wi < NW)
+        wo = tl.where(in_win, wi, 0)[:, None, None, None, None] * sws + ch[None] * swd
+        kk = tl.where(in_win[:, None, None, None, None],
+                      tl.load(wk + wo, mask=in_win[:, None, None, None, None], other=0.0).to(tl.float32), kk)
+        vv = tl.where(in_win[:, None, None, None, None],
+                      tl.load(wv + wo, mask=in_win[:, None, None, None, None], other=0.0).to(tl.float32), vv)
+        sc = tl.where(j_ok, _row_sums(kk * qn) * scale_f, float("-inf"))
+        m_new = tl.maximum(m_v, sc)
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m_v - m_use)
+        pr = tl.exp(sc - m_use)
+        l_v = l_v * alpha + pr
+        m_v = m_new
+        y = y * alpha[:, None, None, None, None] + vv * pr[:, None, None, None, None]
+    m_i = tl.max(m_v, 0)
+    w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
+    l_i = tl.sum(l_v * w, 0)
+    acc = tl.sum(y * w[:, None, None, None, None], 0)
+    if FINAL:
+        local = tl.where(l_i > 0.0, acc / tl.maximum(l_i, 1e-30), 0.0)
+        o = tl.load(oref_ptr + row * D + ch) - tl.load(cref_ptr + row * D + ch) + tl.load(mass_ptr + row) * local
+        tl.store(out_ptr + b * sob + h * soh + ch * sod, o.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(pm_ptr + row * SPLIT + z, m_i)
+        tl.store(pl_ptr + row * SPLIT + z, l_i)
+        tl.store(pacc_ptr + (row * SPLIT + z) * D + ch, acc)
+
+
+@triton.jit
 def _correction_combine_kernel(
     pm_ptr, pl_ptr, pacc_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr,
     HQ, T, SPLIT,
@@ -702,11 +812,12 @@ class KernelConfig:
     num_warps_linear: int = 4
     num_stages_linear: int = 3
     waves_linear: int = 4  # linear kernels: splits of S for about this many programs per SM (with split_kv None)
+    block_k_linear: int = 16  # selected keys per tile of the code-domain correction (opt-in)
 
 
 DEFAULT_CONFIG = KernelConfig()
 INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64,
-                                  block_n_linear=16, block_n_pv_linear=16)
+                                  block_n_linear=16, block_n_pv_linear=16, block_k_linear=16)
 
 
 
@@ -997,6 +1108,64 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         num_warps=4,
     )
     return out, keys, count, mass, o_ref, c_ref
+
+
+def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, linear, *,
+                             wrap: bool = False, config: KernelConfig | None = None):
+    """A correction over a packed history without a packed_read of the selected keys (opt-in,
+    not wired into the passes yet): ``linear`` = (cache tensors, depth, lo [B]) and window_k/v
+    [B, Hkv, NW, D] as ``linear_window`` / ``packed_read`` give them for this correction's depth
+    and step; keys [B, Hq, 1, KMAX] are loop 2's global positions (count valid). Equal to
+    ``correction_attention`` over ``packed_read``'s K/V up to the compute-dtype rounding of K/V
+    (not applied to the keys below lo). One query row per kv head (``linear_fits``)."""
+    launch = _Launcher(wrap)
+    _check_runnable(q.device)
+    cfg = _config_for(q.device, config)
+    b, hq, t, d = q.shape
+    largs, lo, gp, depth = _linear_args(linear)
+    if hq != window_k.shape[1] or t != 1 or d & (d - 1):
+        raise ValueError(f"the code-domain correction needs one query row per kv head and a power-of-two head_dim; "
+                         f"got q {tuple(q.shape)}, {window_k.shape[1]} kv heads")
+    kmax = keys.shape[-1]
+    rows = b * hq
+    S = linear[0][0].shape[2]
+    out = torch.empty_like(q)
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout, B, NB, CAPT) = largs
+    mass_c = mass.reshape(rows).contiguous()
+    oref_c = o_ref.reshape(rows, d).contiguous()
+    cref_c = c_ref.reshape(rows, d).contiguous()
+    want = cfg.split_corr or _cdiv(cfg.waves_linear * sm_count(q.device), rows)
+    chunk, split = _split(max(kmax, 1), cfg.block_k_linear, want)
+    final = split == 1
+    if final:
+        pm = pl = pacc = mass_c  # unused
+    else:
+        pm = torch.empty(rows, split, dtype=torch.float32, device=q.device)
+        pl = torch.empty(rows, split, dtype=torch.float32, device=q.device)
+        pacc = torch.empty(rows, split, d, dtype=torch.float32, device=q.device)
+    launch(_correction_linear_kernel, (rows, split))(
+        q, window_k, window_v, keys.reshape(rows, kmax).contiguous(), count.reshape(rows).contiguous(),
+        mass_c, oref_c, cref_c, out, lo, pm, pl, pacc,
+        hq, kmax, window_k.shape[2], chunk, split, float(scale),
+        q.stride(0), q.stride(1), q.stride(3),
+        window_k.stride(0), window_k.stride(1), window_k.stride(2), window_k.stride(3),
+        out.stride(0), out.stride(1), out.stride(3),
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
+        B, S, NB, CAPT,
+        D=d, GP=gp, BK=cfg.block_k_linear, DEPTH=depth, FINAL=final,
+        num_warps=cfg.num_warps_corr,
+    )
+    if not final:
+        launch(_correction_combine_kernel, (rows,))(
+            pm, pl, pacc, mass_c, oref_c, cref_c, out,
+            hq, 1, split,
+            *out.stride(),
+            D=d, SPLIT_P2=next_pow2(split),
+            num_warps=4,
+        )
+    return out
 
 
 def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, *, wrap: bool = False, config: KernelConfig | None = None):
