@@ -505,9 +505,7 @@ def _packed_reference_attention(
     K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton, skip_bulk=fused)
     packed = None
     if fused:
-        ip = inflight_positions
-        lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((q.shape[0],), S)
-        packed = (cache, depth, lim)
+        packed = (cache, depth, K.first_inflight(inflight_positions, S))
     return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
 
 

@@ -71,6 +71,15 @@ def wrap_triton(kernel):
     return _Complete(kernel, torch.library.wrap_triton(kernel))
 
 
+def first_inflight(inflight_positions: torch.Tensor, max_seq: int) -> torch.Tensor:
+    """[B] the first valid in-flight position of each row (padding -1 ignored), max_seq for a row
+    without one: below it a read needs no in-flight overlay. On device, no host sync."""
+    ip = inflight_positions
+    if not ip.shape[1]:
+        return ip.new_full(ip.shape[:1], max_seq)
+    return torch.where(ip >= 0, ip, max_seq).amin(1)
+
+
 def stored_end(q_positions: torch.Tensor, inflight_positions: torch.Tensor, max_seq: int) -> torch.Tensor:
     """P0 [B] int32: positions < P0 are read from the store. The first valid in-flight position
     (padding -1 ignored); a row without valid in-flight keys reads the store up to its last valid

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, sm_count, stored_end
+from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap, sm_count, stored_end
 
 __all__ = [
     "launch_packed_kv_write",
@@ -1460,7 +1460,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
         ip, k_in, v_in = inflight
     lim = positions  # read only by the bulk tile test
     if bulk:  # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
-        lim = torch.where(ip >= 0, ip, S).amin(1) if ip.shape[1] else ip.new_full((Bc,), S)
+        lim = first_inflight(ip, S)
     if bulk and not skip_bulk:
         wrap(_read_bulk_kernel)[grid](
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,

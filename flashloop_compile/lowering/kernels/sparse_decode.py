@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, sm_count, wrap_triton
+from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import (
     _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
     _row_sums, _word_groups, _word_pairs,
@@ -937,7 +937,7 @@ def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig 
     ip = inflight_positions
     bc, ti = ip.shape
     bn = _config_for(ip.device, config).block_n_linear
-    lim = torch.where(ip >= 0, ip, S).amin(1) if ti else ip.new_full((bc,), S)
+    lim = first_inflight(ip, S)
     bound = torch.minimum(flushed[:bc, : depth + 1].amin(1).to(lim.dtype), lim)
     lo = torch.div(bound, bn, rounding_mode="floor") * bn
     nw = min(_cdiv(2 * G + ti + 2 * bn, bn) * bn, _cdiv(S, bn) * bn)
