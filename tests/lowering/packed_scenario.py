@@ -174,3 +174,27 @@ def scale_call(k: Tensor, v: Tensor, pos: Tensor, layer: int) -> tuple[Tensor, T
     ks = torch.where(pad, k, (k.float() * f).to(k.dtype))
     vs = torch.where(pad, v, (v.float() * f).to(v.dtype))
     return ks, vs
+
+
+def nested_residual_cache(dtype, group: int, max_seq: int, lengths, heads: int, head_dim: int, R: int, seed: int,
+                          k_at, v_at, keep: float = 0.6):
+    """A one-layer packed cache of len(lengths) rows written with packed_kv_write_aten at depths
+    0..R-1: every stored token at depth 0, then nested random subsets (each token kept with
+    probability ``keep`` per depth; absent residuals inherit). k_at(k, d) / v_at(v, d) give depth
+    d's values from one FP32 draw per row. Returns the cache and the generator (for more draws)."""
+    from flashloop_compile.lowering import packed_ops as P
+    from flashloop_compile.runtime import PackedKVCache
+
+    B = len(lengths)
+    cache = PackedKVCache(1, R, B, max_seq, heads, head_dim, group_size=group, tail=group, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    k = torch.randn(B, heads, n, head_dim, generator=g)
+    v = torch.randn(B, heads, n, head_dim, generator=g)
+    pos = torch.arange(n).expand(B, n)
+    kept = pos < torch.tensor(lengths)[:, None]
+    for d in range(R):
+        if d:
+            kept = kept & (torch.rand(B, n, generator=g) < keep)
+        P.packed_kv_write_aten(*cache.op_tensors(0), k_at(k, d).to(dtype), v_at(v, d).to(dtype), torch.where(kept, pos, -1), d)
+    return cache, g

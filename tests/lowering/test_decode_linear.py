@@ -14,6 +14,7 @@ import torch
 from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_kv as K
 from flashloop_compile.runtime import PackedKVCache
+from tests.lowering.packed_scenario import nested_residual_cache
 
 B, H, D, R = 2, 2, 128, 4
 LENGTHS = (160, 131)  # neither a multiple of the group: the bulk ends before the stored end
@@ -22,19 +23,7 @@ LENGTHS = (160, 131)  # neither a multiple of the group: the bulk ends before th
 def _cache(dtype: torch.dtype, group: int) -> PackedKVCache:
     """Both rows written at depths 0..3: residuals on nested random subsets of each row's tokens
     (absent rows inherit the previous depth), so a tile mixes present and absent residuals."""
-    cache = PackedKVCache(1, R, B, 192, H, D, group_size=group, tail=group, dtype=dtype)
-    g = torch.Generator().manual_seed(11)
-    n = max(LENGTHS)
-    k = torch.randn(B, H, n, D, generator=g)
-    v = torch.randn(B, H, n, D, generator=g)
-    pos = torch.arange(n).expand(B, n)
-    keep = pos < torch.tensor(LENGTHS)[:, None]
-    for d in range(R):
-        if d:
-            keep = keep & (torch.rand(B, n, generator=g) < 0.6)
-        P.packed_kv_write_aten(*cache.op_tensors(0), (k + 0.3 * d).to(dtype), (v - 0.2 * d).to(dtype),
-                               torch.where(keep, pos, -1), d)
-    return cache
+    return nested_residual_cache(dtype, group, 192, LENGTHS, H, D, R, 11, lambda k, d: k + 0.3 * d, lambda v, d: v - 0.2 * d)[0]
 
 
 @pytest.mark.parametrize("dtype, group, block_n", [

@@ -20,6 +20,7 @@ from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_kv as K
 from flashloop_compile.lowering.kernels import sparse_decode as sd
 from flashloop_compile.runtime import PackedKVCache
+from tests.lowering.packed_scenario import nested_residual_cache
 
 B, H, D, R, S = 2, 2, 128, 4, 256
 LENGTHS = (200, 131)  # stored tokens per row: neither a multiple of the group
@@ -27,19 +28,7 @@ LENGTHS = (200, 131)  # stored tokens per row: neither a multiple of the group
 
 def _cache(dtype: torch.dtype, group: int) -> tuple[PackedKVCache, torch.Generator]:
     """Rows written at depths 0..3 with residuals on nested random subsets (absent rows inherit)."""
-    cache = PackedKVCache(1, R, B, S, H, D, group_size=group, tail=group, dtype=dtype)
-    g = torch.Generator().manual_seed(21)
-    n = max(LENGTHS)
-    k = torch.randn(B, H, n, D, generator=g)
-    v = torch.randn(B, H, n, D, generator=g)
-    pos = torch.arange(n).expand(B, n)
-    keep = pos < torch.tensor(LENGTHS)[:, None]
-    for d in range(R):
-        if d:
-            keep = keep & (torch.rand(B, n, generator=g) < 0.6)
-        P.packed_kv_write_aten(*cache.op_tensors(0), (k * (1 + 0.5 * d)).to(dtype), (v - 0.2 * d).to(dtype),
-                               torch.where(keep, pos, -1), d)
-    return cache, g
+    return nested_residual_cache(dtype, group, S, LENGTHS, H, D, R, 21, lambda k, d: k * (1 + 0.5 * d), lambda v, d: v - 0.2 * d)
 
 
 def _step(g, dtype, padded_row: bool = False):

@@ -203,6 +203,18 @@ def _lane_softmax(m_v, l_v, s):
 
 
 @triton.jit
+def _window_rows(row_ptr, n, lo, end, NW, ch, s_n, s_d):
+    """FP32 rows [BN, D/8, 2, 2, 2] (_code_units' order) of positions n < end from a window buffer
+    holding positions lo .. lo + NW - 1 (0 outside it), with the masks (n < end, inside the window)."""
+    n_ok = n < end
+    idx = (n - lo).to(tl.int64)
+    in_buf = n_ok & (idx < NW)
+    rows = tl.load(row_ptr + idx[:, None, None, None, None] * s_n + ch[None] * s_d,
+                   mask=in_buf[:, None, None, None, None], other=0.0).to(tl.float32)
+    return rows, n_ok, in_buf
+
+
+@triton.jit
 def _scores_linear_kernel(
     q_ptr, k_ptr, mask_ptr, s_ptr, pm_ptr, pl_ptr, lo_ptr,
     S, HKV, scale, NW,
@@ -255,11 +267,7 @@ def _scores_linear_kernel(
     k_row = k_ptr + b * skb + hk * skh
     for n0 in range(mid, end, BN):
         n = n0 + tl.arange(0, BN)
-        n_ok = n < end
-        idx = (n - lo).to(tl.int64)
-        in_buf = n_ok & (idx < NW)
-        kt = tl.load(k_row + idx[:, None, None, None, None] * sks + ch[None] * skd,
-                     mask=in_buf[:, None, None, None, None], other=0.0).to(tl.float32)
+        kt, n_ok, in_buf = _window_rows(k_row, n, lo, end, NW, ch, sks, skd)
         s = _row_sums(kt * qn) * scale_f
         vis = tl.load(m_base + n.to(tl.int64) * sms, mask=n_ok, other=0) != 0
         s = tl.where(vis & in_buf, s, float("-inf"))
@@ -551,17 +559,13 @@ def _pv_linear_kernel(
     v_row = v_ptr + b * svb + hk * svh
     for n0 in range(mid, end, BN):
         n = n0 + tl.arange(0, BN)
-        n_ok = n < end
-        idx = (n - lo).to(tl.int64)
-        in_buf = n_ok & (idx < NW)
+        vt, n_ok, in_buf = _window_rows(v_row, n, lo, end, NW, ch, svs, svd)
         pv = tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0)
         key = _prob_key(pv)
         pa = tl.where(in_buf, tl.maximum(pv, 0.0), 0.0)
         ps = tl.where((key > thr) | ((key == thr) & (n <= cut)), pa, 0.0)
         m0 += pa
         m1 += ps
-        vt = tl.load(v_row + idx[:, None, None, None, None] * svs + ch[None] * svd,
-                     mask=in_buf[:, None, None, None, None], other=0.0).to(tl.float32)
         y0 += vt * pa[:, None, None, None, None]
         y1 += vt * ps[:, None, None, None, None]
     o0 = pid_s * E_TOTAL + row  # [slot, row] in the 2 x R partial layout
