@@ -241,6 +241,28 @@ def test_scattered_keys_below_the_flushed_boundary_are_read_by_the_bulk_kernel(m
         assert kk[~bulk].isnan().all() and vk[~bulk].isnan().all(), f"depth {d}: the tail tile is not the bulk kernel's"
 
 
+def test_the_generic_read_takes_every_row_of_a_tile_the_bulk_kernel_leaves(monkeypatch):
+    # The generic kernel runs on tiles of block_p / generic_split positions; it must return only
+    # where the bulk kernel's whole (block_p) tile qualified. Head 1's second tile: its first half
+    # is below the flushed boundary (a sub-tile the bulk test alone would admit), its second half
+    # holds a tail position. With the bulk kernel disabled (outputs poisoned), exactly that tile
+    # is written, as the ATen body reads it; the qualifying tiles stay poisoned.
+    monkeypatch.setitem(K.PACKED_READ, "generic_split", 2)
+    cache, g = _token_sparse_cache()
+    sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
+    sel[0, 1, 24:] = torch.tensor([384] + [5] * 7)  # head 1, second tile, second half: a tail position
+    monkeypatch.setattr(K, "_read_bulk_kernel", _Skipped())
+    for d in range(R):
+        ka, va = P.packed_read_aten(*cache.op_tensors(0), sel, d, *P.no_inflight(cache, 1, sel.device))
+        kk = torch.full((1, H, 32, D), float("nan"))
+        vk = torch.full_like(kk, float("nan"))
+        K.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, bulk=True, block_p=16)
+        generic = torch.zeros(1, H, 32, dtype=torch.bool)
+        generic[0, 1, 16:] = True
+        assert torch.equal(ka[generic], kk[generic]) and torch.equal(va[generic], vk[generic]), f"depth {d}"
+        assert kk[~generic].isnan().all() and vk[~generic].isnan().all(), f"depth {d}: a bulk tile was written twice"
+
+
 def _token_sparse_cache():
     """One row of 450 tokens, depths 2-3 on nested random subsets: 6 groups flushed at every depth
     (384 positions), 66 in the tail."""

@@ -123,11 +123,20 @@ def _reconstruct(
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
     B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, PAIR0: tl.constexpr, NP: tl.constexpr, ALIGNED: tl.constexpr,
+    RP: tl.constexpr = 4,
 ):
     """Logical K/V (fp32, even and odd channel halves [BP, NP]) at depth r of positions p [BP]
     (rows with pmask False read as 0) for pairs PAIR0..PAIR0+NP-1, and which rows hold a written
     token. e = min(r, depth_count - 1); p < flushed[e]: base + residuals 1..e present; otherwise
     the ring at depth e. ALIGNED: every p lies in the block of p[0] (K parameters loaded once).
+    RP: a power of two >= R (residuals 1..RP-1 unrolled, those past r masked off).
+
+    No branch depends on a loaded value, and every load's address depends on p, depth_count or a
+    residual row map only, so a tile costs about three memory latencies (p; depth_count, the
+    base, the row maps; the flushed boundary, the residuals, the ring) instead of one or two per
+    residual and the ring: a small read (the ring, a window, a correction's last tile) is latency-
+    bound. Loads whose rows turn out not to be needed (a ring token's codes) are selected away;
+    the arithmetic, and its order, is that of the per-branch version: the values are identical.
 
     b, h are int64 scalars; per-(b, h) bases are applied to the pointers as scalars so that tile
     offsets stay int32 (fewer registers)."""
@@ -144,11 +153,11 @@ def _reconstruct(
     ring = valid & (pc >= fl)
     i = PAIR0 + tl.arange(0, NP)
     imask = i < HD
-    m2 = packed[:, None] & imask[None, :]
+    m2 = pmask[:, None] & imask[None, :]  # loads: every addressable row (the selection is below)
     if ALIGNED:
         blk = tl.max(pc, 0) // G  # masked rows read position 0: the max is in the block
         kp = (blk * D + 2 * i)[None, :]
-        km = (tl.sum(packed.to(tl.int32), 0) > 0) & imask[None, :]
+        km = imask[None, :]
     else:
         blk = pc // G
         kp = blk[:, None] * D + 2 * i[None, :]
@@ -170,45 +179,45 @@ def _reconstruct(
     ve = vmn + vsc * (c & 15).to(tl.float32)
     vo = vmn + vsc * (c >> 4).to(tl.float32)
 
-    j = tl.full([], 1, tl.int32)
-    while j <= r:
-        rj = tl.load(rows + ((j - 1) * B + b) * S + pc, mask=packed, other=-1)
-        has = packed & (rj >= 0) & (j <= e)
-        if tl.sum(has.to(tl.int32), 0) > 0:
-            off = tl.load(res_layout + j)
-            grow = tl.where(has, off + rj, 0)
-            h2 = has[:, None] & imask[None, :]
-            if ALIGNED:
-                hk = (tl.sum(has.to(tl.int32), 0) > 0) & imask[None, :]
-            else:
-                hk = h2
-            kr_min = k_res_min + (((j - 1) * B + b) * H + h) * NB * D
-            kr_scale = k_res_scale + (((j - 1) * B + b) * H + h) * NB * D
-            c = tl.load(k_res + bh * CAPT * HD + grow[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-            de = tl.load(kr_min + kp, mask=hk, other=0.0).to(tl.float32) + tl.load(kr_scale + kp, mask=hk, other=0.0).to(
-                tl.float32
-            ) * (c & 15).to(tl.float32)
-            do = tl.load(kr_min + kp + 1, mask=hk, other=0.0).to(tl.float32) + tl.load(
-                kr_scale + kp + 1, mask=hk, other=0.0
-            ).to(tl.float32) * (c >> 4).to(tl.float32)
-            ke = tl.where(h2, ke + de, ke)
-            ko = tl.where(h2, ko + do, ko)
-            c = tl.load(v_res + bh * CAPT * HD + grow[:, None] * HD + i[None, :], mask=h2, other=0).to(tl.int32)
-            vp = grow[:, None] * NG + (i // (G // 2))[None, :]
-            vmn = tl.load(v_res_min + bh * CAPT * NG + vp, mask=h2, other=0.0).to(tl.float32)
-            vsc = tl.load(v_res_scale + bh * CAPT * NG + vp, mask=h2, other=0.0).to(tl.float32)
-            ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
-            vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
-        j += 1
+    for j in tl.static_range(1, RP):
+        live = pmask & (j <= r)  # rows map j exists (r <= R - 1 < RP)
+        rj = tl.load(rows + ((j - 1) * B + b) * S + pc, mask=live, other=-1)
+        fetch = live & (rj >= 0)
+        has = packed & fetch & (j <= e)
+        grow = tl.where(fetch, tl.load(res_layout + j, mask=j <= r, other=0) + rj, 0)
+        f2 = fetch[:, None] & imask[None, :]
+        h2 = has[:, None] & imask[None, :]
+        if ALIGNED:
+            hk = imask[None, :] & (j <= r)
+        else:
+            hk = f2
+        kr_min = k_res_min + (((j - 1) * B + b) * H + h) * NB * D
+        kr_scale = k_res_scale + (((j - 1) * B + b) * H + h) * NB * D
+        c = tl.load(k_res + bh * CAPT * HD + grow[:, None] * HD + i[None, :], mask=f2, other=0).to(tl.int32)
+        de = tl.load(kr_min + kp, mask=hk, other=0.0).to(tl.float32) + tl.load(kr_scale + kp, mask=hk, other=0.0).to(
+            tl.float32
+        ) * (c & 15).to(tl.float32)
+        do = tl.load(kr_min + kp + 1, mask=hk, other=0.0).to(tl.float32) + tl.load(
+            kr_scale + kp + 1, mask=hk, other=0.0
+        ).to(tl.float32) * (c >> 4).to(tl.float32)
+        ke = tl.where(h2, ke + de, ke)
+        ko = tl.where(h2, ko + do, ko)
+        c = tl.load(v_res + bh * CAPT * HD + grow[:, None] * HD + i[None, :], mask=f2, other=0).to(tl.int32)
+        vp = grow[:, None] * NG + (i // (G // 2))[None, :]
+        vmn = tl.load(v_res_min + bh * CAPT * NG + vp, mask=f2, other=0.0).to(tl.float32)
+        vsc = tl.load(v_res_scale + bh * CAPT * NG + vp, mask=f2, other=0.0).to(tl.float32)
+        ve = tl.where(h2, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+        vo = tl.where(h2, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
 
-    if tl.sum(ring.to(tl.int32), 0) > 0:
-        r2 = ring[:, None] & imask[None, :]
-        tb = (b * R * H + h) * RING * D
-        tp = ((e * H) * RING + pc % RING)[:, None] * D + 2 * i[None, :]
-        ke = tl.where(r2, tl.load(k_tail + tb + tp, mask=r2, other=0.0).to(tl.float32), ke)
-        ko = tl.where(r2, tl.load(k_tail + tb + tp + 1, mask=r2, other=0.0).to(tl.float32), ko)
-        ve = tl.where(r2, tl.load(v_tail + tb + tp, mask=r2, other=0.0).to(tl.float32), ve)
-        vo = tl.where(r2, tl.load(v_tail + tb + tp + 1, mask=r2, other=0.0).to(tl.float32), vo)
+    p2 = packed[:, None] & imask[None, :]
+    r2 = ring[:, None] & imask[None, :]
+    t2 = valid[:, None] & imask[None, :]  # the ring row at depth e: known from depth_count alone
+    tb = (b * R * H + h) * RING * D
+    tp = ((e * H) * RING + pc % RING)[:, None] * D + 2 * i[None, :]
+    ke = tl.where(r2, tl.load(k_tail + tb + tp, mask=t2, other=0.0).to(tl.float32), tl.where(p2, ke, 0.0))
+    ko = tl.where(r2, tl.load(k_tail + tb + tp + 1, mask=t2, other=0.0).to(tl.float32), tl.where(p2, ko, 0.0))
+    ve = tl.where(r2, tl.load(v_tail + tb + tp, mask=t2, other=0.0).to(tl.float32), tl.where(p2, ve, 0.0))
+    vo = tl.where(r2, tl.load(v_tail + tb + tp + 1, mask=t2, other=0.0).to(tl.float32), tl.where(p2, vo, 0.0))
     return ke, ko, ve, vo, valid
 
 
@@ -259,6 +268,7 @@ def _write_flush_kernel(
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, NCH: tl.constexpr = 1,
+    RP: tl.constexpr = 4,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -341,7 +351,7 @@ def _write_flush_kernel(
                         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
                         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
                         k_tail, v_tail, flushed, rows, depth_count, res_layout,
-                        B, H, S, NB, CAPT, R, D, G, g * HG, HG, True,
+                        B, H, S, NB, CAPT, R, D, G, g * HG, HG, True, RP,
                     )
                     xke = xke - rke
                     xko = xko - rko
@@ -437,18 +447,22 @@ def _read_kernel(
     sp_b, sp_h, sp_t, sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     P, Ti, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
-    SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4,
+    SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4, BPB: tl.constexpr = 32,
 ):
     """packed_read of positions [BP] of row (b, h) with per-token resolution (_reconstruct), the
-    positions equal to one of the row's Ti in-flight positions replaced by that token's K/V."""
+    positions equal to one of the row's Ti in-flight positions replaced by that token's K/V.
+    SKIP_BULK: _read_bulk_kernel wrote the tiles of BPB positions it qualifies for (BPB a multiple
+    of BP): a program in such a tile returns."""
     depth = depth_arg - _DEPTH_BIAS
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
     tm = t < P
     p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
-    if SKIP_BULK:  # _read_bulk_kernel wrote the tiles it qualifies for
-        if _bulk_read_tile(p, tm, flushed + b * R, lim + b, depth, BP, RP):
+    if SKIP_BULK:
+        tb = (tl.program_id(2) * BP // BPB) * BPB + tl.arange(0, BPB)  # the bulk kernel's tile
+        pb = tl.load(positions + b * sp_b + h * sp_h + tb * sp_t, mask=tb < P, other=-1)
+        if _bulk_read_tile(pb, tb < P, flushed + b * R, lim + b, depth, BPB, RP):
             return
     pm = tm & (p >= 0) & (p < S)
     ke, ko, ve, vo, _ok = _reconstruct(
@@ -456,21 +470,20 @@ def _read_kernel(
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
-        B, H, S, NB, CAPT, R, D, G, 0, NP, False,
+        B, H, S, NB, CAPT, R, D, G, 0, NP, False, RP,
     )
     i = tl.arange(0, NP)
     imask = i < D // 2
     u = 0
-    while u < Ti:  # this step's tokens (Ti is small: decode's query rows)
+    while u < Ti:  # this step's tokens (Ti is small: decode's query rows); no branch on loads (see _reconstruct)
         ip = tl.load(in_positions + b * sip_b + u * sip_t)
-        hit = (p == ip) & (ip >= 0)
-        if tl.max(hit.to(tl.int32), 0) > 0:
-            ko_ = b * sk_b + h * sk_h + u * sk_t + 2 * i * sk_d
-            vo_ = b * sv_b + h * sv_h + u * sv_t + 2 * i * sv_d
-            ke = tl.where(hit[:, None], tl.load(k_in + ko_, mask=imask, other=0.0).to(tl.float32)[None, :], ke)
-            ko = tl.where(hit[:, None], tl.load(k_in + ko_ + sk_d, mask=imask, other=0.0).to(tl.float32)[None, :], ko)
-            ve = tl.where(hit[:, None], tl.load(v_in + vo_, mask=imask, other=0.0).to(tl.float32)[None, :], ve)
-            vo = tl.where(hit[:, None], tl.load(v_in + vo_ + sv_d, mask=imask, other=0.0).to(tl.float32)[None, :], vo)
+        hit = ((p == ip) & (ip >= 0))[:, None]
+        ko_ = b * sk_b + h * sk_h + u * sk_t + 2 * i * sk_d
+        vo_ = b * sv_b + h * sv_h + u * sv_t + 2 * i * sv_d
+        ke = tl.where(hit, tl.load(k_in + ko_, mask=imask, other=0.0).to(tl.float32)[None, :], ke)
+        ko = tl.where(hit, tl.load(k_in + ko_ + sk_d, mask=imask, other=0.0).to(tl.float32)[None, :], ko)
+        ve = tl.where(hit, tl.load(v_in + vo_, mask=imask, other=0.0).to(tl.float32)[None, :], ve)
+        vo = tl.where(hit, tl.load(v_in + vo_ + sv_d, mask=imask, other=0.0).to(tl.float32)[None, :], vo)
         u += 1
     m2 = tm[:, None] & imask[None, :]
     o = ((b * H + h) * P + t)[:, None] * D + 2 * i[None, :]
@@ -1177,7 +1190,7 @@ def _attn_kernel(
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
             k_tail, v_tail, flushed, rows, depth_count, res_layout,
-            B, H, S, NB, CAPT, R, D, G, 0, NP, True,
+            B, H, S, NB, CAPT, R, D, G, 0, NP, True, RP,
         )
         m_i, l_i, acc_e, acc_o = _attend(
             qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
@@ -1342,8 +1355,13 @@ PACKED_PREFILL = _with_overrides(
 # reference's read of the whole history and the corrections' selected keys under sparse decode +
 # quantization) to _read_bulk_kernel, without per-token resolution. On since session 5: the whole
 # history at B=1/4 x 32K reads in 0.33-1.19 ms instead of 2.2-9.0 ms (7-11x; benchmarks/RESULTS.md).
+# "block_p": positions per program (None: 32 at D <= 128, 16 above). "generic_split": the generic
+# kernel's tile is block_p / generic_split. What it reads in a decode step is small (the reference's
+# window of ring + step tokens, a correction's last tile) and latency-bound (_reconstruct); split 4
+# (8 positions: 158 registers, 12 warps/SM at depth 3) took the 4x32K window read from 102 us (32
+# positions, spilling) to 24 us and a correction's from 38 to 31 us (session 9; splits 8 and 16 lose).
 # FLASHLOOP_PACKED_READ (JSON) overrides.
-PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4}, "FLASHLOOP_PACKED_READ")
+PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4}, "FLASHLOOP_PACKED_READ")
 
 # packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
 # reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
@@ -1410,7 +1428,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, num_warps=8,
+        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, RP=next_pow2(R), num_warps=8,
     )
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
@@ -1440,7 +1458,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     if P == 0 or Bc == 0:
         return
     np_ = next_pow2(D // 2)
-    bp = 32 if np_ <= 64 else 16
+    bp = int(PACKED_READ.get("block_p") or (32 if np_ <= 64 else 16))
     if _interpreting():
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
     bp = block_p or bp
@@ -1469,14 +1487,23 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
             sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
             D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, num_warps=PACKED_READ["num_warps"],
         )
-    wrap(_read_kernel)[grid](
+    # the generic kernel resolves every token with all residual depths in flight at once (latency-
+    # bound: see _reconstruct): tiles of bp / generic_split positions keep it within the registers
+    # (sm_90, D 128, depth 3: 228 registers at 16, 254 spill ops at 32; scripts/kernel_report.py)
+    split = max(1, int(PACKED_READ["generic_split"]))
+    if _interpreting():
+        split = min(split, 2)  # the interpreter's cost is per program and operation: fewer, larger tiles
+    bpg = max(1, bp // split)
+    if bp % bpg:
+        raise ValueError(f"PACKED_READ generic_split {split} must divide the read tile {bp}")
+    wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bpg))](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
         positions, out_k, out_v, lim, ip, k_in, v_in,
         sp_b, sp_h, sp_t, *ip.stride(), *k_in.stride(), *v_in.stride(),
         P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, BP=bp, CD=cd, SKIP_BULK=bulk, RP=next_pow2(R), num_warps=4,
+        D=D, G=G, NP=np_, BP=bpg, CD=cd, SKIP_BULK=bulk, RP=next_pow2(R), BPB=bp, num_warps=4,
     )
 
 
