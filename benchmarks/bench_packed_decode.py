@@ -164,6 +164,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # variants (the suite's best pick skips them)
     *[(f"read {what} {kernel}", {"read": what, "bulk": kernel == "bulk"})
       for what in ("whole history", "selected keys") for kernel in ("generic", "bulk")],
+    # the bulk read's tile (PACKED_READ block_p: positions per program, default 32 at D 128) and warps
+    *[(f"read selected keys bulk bp{bp} w{w}", {"read": "selected keys", "bulk": True,
+                                                "read_config": {"block_p": bp, "num_warps": w}})
+      for bp, w in ((16, 4), (32, 8), (64, 8))],
     # sparse decode's loop-2 reference under quantization (packed_reference_attention, fraction
     # 0.1): the bulk read of the whole history then the reference over the copy, vs
     # PACKED_REFERENCE "fused" (the scores / PV kernels decode the flushed bulk; bit-identical) and
@@ -181,7 +185,39 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # read for the ring and the step's token; within the bf16 tolerance of the first)
     ("correction read then correct", {"correction": "read"}),
     ("correction linear", {"correction": "linear"}),
+    # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
+    # and the per-key-lane online softmax (KernelConfig.lane_corr)
+    *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})
+      for name, cfg in (("s16", {"split_corr": 16}), ("s32", {"split_corr": 32}),
+                        ("lane bk32", {"lane_corr": True, "block_k": 32}),
+                        ("lane bk32 s16", {"lane_corr": True, "block_k": 32, "split_corr": 16}),
+                        ("lane bk64 w8 s16", {"lane_corr": True, "block_k": 64, "num_warps_corr": 8, "split_corr": 16}))],
+    # the generic read's tile (PACKED_READ generic_split: bulk tile / split positions per program)
+    *[(f"{what} read split{n}", {**kw, "read_config": {"generic_split": n}})
+      for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))
+      for n in (1, 8, 16)],
 ]
+
+
+def kernel_us(fn, n: int, l2: torch.Tensor) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn`` launches (eager, L2 flushed before each
+    of the ``n`` calls; the flush itself left out), largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            flush_l2(l2)
+            fn()
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as flush_prof:  # the flush's own kernel name
+        flush_l2(l2)
+        torch.cuda.synchronize()
+    flush_name = {e.key for e in flush_prof.key_averages() if e.device_type == DeviceType.CUDA}
+    out = {e.key[:60]: e.device_time_total / n for e in prof.key_averages()
+           if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.device_time_total > 0
+           and e.key not in flush_name}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def sweep(args, l2, save=lambda rows: None) -> list[dict]:
@@ -221,15 +257,27 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     out_v = torch.empty_like(out_k) if read else None
 
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v, ref_args=ref_args):
+                        if "read_config" in kw:  # read at launch: captured as set here
+                            saved_read = dict(K.PACKED_READ)
+                            K.PACKED_READ.update(kw["read_config"])
+                            try:
+                                return fn({k: v for k, v in kw.items() if k != "read_config"})
+                            finally:
+                                K.PACKED_READ.update(saved_read)
+                        if "config" in kw:  # sparse_decode's KernelConfig, read at launch: captured as set here
+                            saved_cfg = SD.DEFAULT_CONFIG
+                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw["config"])
+                            try:
+                                return fn({k: v for k, v in kw.items() if k != "config"})
+                            finally:
+                                SD.DEFAULT_CONFIG = saved_cfg
                         if "reference" in kw:  # the flags are read at launch: captured as set here
-                            saved, saved_cfg = dict(K.PACKED_REFERENCE), SD.DEFAULT_CONFIG
+                            saved = dict(K.PACKED_REFERENCE)
                             K.PACKED_REFERENCE.update(fused=kw["reference"] == "fused", linear=kw["reference"] == "linear")
-                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
                             try:
                                 return torch.ops.flashloop.packed_reference_attention(*ref_args)
                             finally:
                                 K.PACKED_REFERENCE.update(saved)
-                                SD.DEFAULT_CONFIG = saved_cfg
                         if "correction" in kw:
                             _, keys, count, mass, o_ref, c_ref = corr_inputs()
                             if kw["correction"] == "read":
@@ -254,9 +302,9 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     try:
                         if "correction" in kw:
                             got = fn()
-                            if kw["correction"] == "read":
+                            if kw == {"correction": "read"}:
                                 corr_read = got
-                            else:
+                            else:  # the linear correction, or another launch of the same: against the default read-then-correct
                                 corr_read = corr_read if corr_read is not None else fn(kw={"correction": "read"})
                                 torch.testing.assert_close(got.float(), corr_read.float(), atol=1e-2, rtol=1e-2)
                         elif "reference" in kw:
@@ -295,6 +343,9 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
                                  "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": kind})
                     print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {moved / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
+                    if args.profile:  # after the timing, which it never touches
+                        rows[-1]["kernels_us"] = kernel_us(fn, args.profile, l2)
+                        print("    " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["kernels_us"].items()), flush=True)
             del cache
             torch.cuda.empty_cache()
             save(rows)
@@ -310,6 +361,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
     ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="with --sweep: after each variant's timing, N eager calls under the profiler: device us per kernel")
     ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text (alternatives separated by |)")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -33,11 +33,12 @@ if [[ $SUITE == *tests* ]]; then
 fi
 if [[ $SUITE == *sweep* ]]; then
   # packed decode attention launch parameters; the best (summed over the swept shapes) is used below
+  # SWEEP_ARGS: more arguments (e.g. --profile 5: device us per kernel of each variant)
   # SWEEP_VARIANTS: a name filter, alternatives separated by | (default '': the whole grid, about 150 s:
   # the generic path, the bulk kernel's launch points, four packed_read rows and two packed-reference
   # rows, which are not picked as tuning; the JSON is saved after each batch size)
   timeout 200 python3 benchmarks/bench_packed_decode.py --sweep --batch 1 4 --seq 32768 --depths 1 3 \
-    --repeats 20 --warmup 3 --variants "${SWEEP_VARIANTS-}" > "$OUT/sweep.log" 2>&1
+    --repeats 20 --warmup 3 --variants "${SWEEP_VARIANTS-}" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
   grep "^best" "$OUT/sweep.log"
   best=$(python3 - "$OUT/packed_sweep.json" <<'EOF2'
 import json, sys, collections

@@ -22,6 +22,7 @@ interpreter are switched off). Register counts are ptxas's; a kernel needs at mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import json
 import os
@@ -166,6 +167,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
         _, keys, count, mass, o_ref, c_ref = refs[0]
         run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
+        for bk, w in ((32, 4), (64, 8)):  # the per-key-lane correction (KernelConfig.lane_corr) at its tile choices
+            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, lane_corr=True, block_k=bk, num_warps_corr=w)
+            run(f"sparse correction lane bk{bk} w{w} B4 32K",
+                lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
         t = _decode_setup(B, S)[0]  # the packed reference: scores and PV decode the flushed bulk themselves
         packed = (t, depth, torch.full((B,), S - 1, dtype=torch.int64))
         run("sparse packed reference B4 32K",

@@ -605,8 +605,11 @@ def _correction_kernel(
     skb, skh, sks, skd,
     svb, svh, svs, svd,
     sob, soh, sot, sod,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, LANE: tl.constexpr = False,
 ):
+    """LANE: online softmax and accumulator per key lane ([BLOCK_K] maxima and sums, [BLOCK_K, D]
+    partial outputs), merged once at the end: no reduction across the key lanes per tile (the
+    per-tile max and sum over keys are cross-warp reductions); otherwise one running max per row."""
     row = tl.program_id(0)
     pid_s = tl.program_id(1)
     scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -625,20 +628,43 @@ def _correction_kernel(
     acc = tl.zeros([D], tl.float32)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
-    for j0 in range(start, end, BLOCK_K):
-        j = j0 + tl.arange(0, BLOCK_K)
-        j_ok = j < end
-        idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
-        kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(kt * q[None, :], 1) * scale_f
-        s = tl.where(j_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
-        p = tl.exp(s - m_new)
-        vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+    if LANE:
+        m_v = tl.full([BLOCK_K], float("-inf"), tl.float32)
+        l_v = tl.zeros([BLOCK_K], tl.float32)
+        acc_v = tl.zeros([BLOCK_K, D], tl.float32)
+        for j0 in range(start, end, BLOCK_K):
+            j = j0 + tl.arange(0, BLOCK_K)
+            j_ok = j < end
+            idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
+            kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+            vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.where(j_ok, tl.sum(kt * q[None, :], 1) * scale_f, float("-inf"))
+            m_new = tl.maximum(m_v, s)
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no (-inf) - (-inf)
+            alpha = tl.exp(m_v - m_use)
+            p = tl.exp(s - m_use)
+            acc_v = acc_v * alpha[:, None] + p[:, None] * vt
+            l_v = l_v * alpha + p
+            m_v = m_new
+        m_i = tl.max(m_v, 0)
+        w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
+        l_i = tl.sum(l_v * w, 0)
+        acc = tl.sum(acc_v * w[:, None], 0)
+    else:
+        for j0 in range(start, end, BLOCK_K):
+            j = j0 + tl.arange(0, BLOCK_K)
+            j_ok = j < end
+            idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
+            kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(kt * q[None, :], 1) * scale_f
+            s = tl.where(j_ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
+            p = tl.exp(s - m_new)
+            vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
     if FINAL:
         local = tl.where(l_i > 0.0, acc / tl.maximum(l_i, 1e-30), 0.0)
         o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
@@ -811,6 +837,7 @@ class KernelConfig:
     num_warps_sel: int = 8
     num_warps_compact: int = 4
     num_warps_corr: int = 4
+    lane_corr: bool = False  # correction kernel: online softmax per key lane (_correction_kernel's LANE)
     block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
     block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
     num_warps_linear: int = 4
@@ -821,7 +848,8 @@ class KernelConfig:
 
 DEFAULT_CONFIG = KernelConfig()
 INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64,
-                                  block_n_linear=16, block_n_pv_linear=16, block_k_linear=16)
+                                  block_n_linear=16, block_n_pv_linear=16, block_k_linear=16,
+                                  split_corr=1)  # the one-split correction (its FINAL path); tests' configs split
 
 
 
@@ -1188,7 +1216,10 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
     oref_c = o_ref.reshape(rows, d).contiguous()
     cref_c = c_ref.reshape(rows, d).contiguous()
     out = torch.empty_like(q)
-    want = cfg.split_corr or _cdiv(2 * sm_count(dev), rows)
+    # a gather per key tile: latency-bound, so many programs per SM. At least 32 splits per row
+    # (H200, 32K, 10%: 97 -> 60 us at B4 and 32 -> 19 us at B1 against about 2 programs per SM;
+    # benchmarks/RESULTS.md session 9), fewer where the selection has fewer tiles (_split)
+    want = cfg.split_corr or max(32, _cdiv(2 * sm_count(dev), rows))
     chunk, split = _split(max(kmax, 1), cfg.block_k, want)
     final = split == 1
     if final:
@@ -1202,7 +1233,7 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
         pm, pl, pacc,
         hq, t, hq // hkv, kmax, chunk, split, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        D=d, BLOCK_K=cfg.block_k, FINAL=final,
+        D=d, BLOCK_K=cfg.block_k, FINAL=final, LANE=cfg.lane_corr,
         num_warps=cfg.num_warps_corr,
     )
     if not final:
