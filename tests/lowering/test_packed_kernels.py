@@ -226,19 +226,8 @@ def test_scattered_keys_below_the_flushed_boundary_are_read_by_the_bulk_kernel(m
     # kernel disabled, outputs poisoned) must write them exactly as the ATen body reads them; a
     # tile holding padding or a tail position is the generic kernel's, so with it disabled those
     # rows stay poisoned.
-    cache, g = _token_sparse_cache()
-    sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
-    sel[0, 1, 16:] = torch.tensor([384] + [3] * 15)  # head 1's second tile: the first tail position
-    monkeypatch.setattr(K, "_read_kernel", _Skipped())
-    for d in range(R):
-        ka, va = P.packed_read_aten(*cache.op_tensors(0), sel, d, *P.no_inflight(cache, 1, sel.device))
-        kk = torch.full((1, H, 32, D), float("nan"))
-        vk = torch.full_like(kk, float("nan"))
-        K.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, bulk=True, block_p=16)
-        bulk = torch.ones(1, H, 32, dtype=torch.bool)
-        bulk[0, 1, 16:] = False
-        assert torch.equal(ka[bulk], kk[bulk]) and torch.equal(va[bulk], vk[bulk]), f"depth {d}"
-        assert kk[~bulk].isnan().all() and vk[~bulk].isnan().all(), f"depth {d}: the tail tile is not the bulk kernel's"
+    _assert_one_kernel_writes(monkeypatch, "_read_bulk_kernel", [384] + [3] * 15,
+                              "the tail tile is not the bulk kernel's")
 
 
 def test_the_generic_read_takes_every_row_of_a_tile_the_bulk_kernel_leaves(monkeypatch):
@@ -248,19 +237,30 @@ def test_the_generic_read_takes_every_row_of_a_tile_the_bulk_kernel_leaves(monke
     # holds a tail position. With the bulk kernel disabled (outputs poisoned), exactly that tile
     # is written, as the ATen body reads it; the qualifying tiles stay poisoned.
     monkeypatch.setitem(K.PACKED_READ, "generic_split", 2)
+    _assert_one_kernel_writes(monkeypatch, "_read_kernel", list(range(8)) + [384] + [5] * 7,
+                              "a bulk tile was written twice")
+
+
+def _assert_one_kernel_writes(monkeypatch, kernel: str, head1_tile2: list[int], what: str) -> None:
+    """Reads of 32 scattered flushed positions per head (head 1's second 16-position tile replaced
+    by head1_tile2) with only ``kernel`` launched, into poisoned outputs: the bulk kernel must write
+    every tile but that one, the generic kernel only that one, each as the ATen body reads it."""
     cache, g = _token_sparse_cache()
     sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
-    sel[0, 1, 24:] = torch.tensor([384] + [5] * 7)  # head 1, second tile, second half: a tail position
-    monkeypatch.setattr(K, "_read_bulk_kernel", _Skipped())
+    sel[0, 1, 16:] = torch.tensor(head1_tile2)
+    other = "_read_kernel" if kernel == "_read_bulk_kernel" else "_read_bulk_kernel"
+    monkeypatch.setattr(K, other, _Skipped())
+    mine = torch.zeros(1, H, 32, dtype=torch.bool)
+    mine[0, 1, 16:] = True
+    if kernel == "_read_bulk_kernel":
+        mine = ~mine
     for d in range(R):
         ka, va = P.packed_read_aten(*cache.op_tensors(0), sel, d, *P.no_inflight(cache, 1, sel.device))
         kk = torch.full((1, H, 32, D), float("nan"))
         vk = torch.full_like(kk, float("nan"))
         K.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, bulk=True, block_p=16)
-        generic = torch.zeros(1, H, 32, dtype=torch.bool)
-        generic[0, 1, 16:] = True
-        assert torch.equal(ka[generic], kk[generic]) and torch.equal(va[generic], vk[generic]), f"depth {d}"
-        assert kk[~generic].isnan().all() and vk[~generic].isnan().all(), f"depth {d}: a bulk tile was written twice"
+        assert torch.equal(ka[mine], kk[mine]) and torch.equal(va[mine], vk[mine]), f"depth {d}"
+        assert kk[~mine].isnan().all() and vk[~mine].isnan().all(), f"depth {d}: {what}"
 
 
 def _token_sparse_cache():
