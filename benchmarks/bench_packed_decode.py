@@ -176,9 +176,8 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("reference fused", {"reference": "fused"}),
     ("reference linear", {"reference": "linear"}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
-      for name, cfg in (("x8", {"waves_linear": 8}), ("x16", {"waves_linear": 16}),
-                        ("bn32 x8", {"block_n_linear": 32, "waves_linear": 8}),
-                        ("s2 x8", {"num_stages_linear": 2, "waves_linear": 8}))],
+      for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
+                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
     # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
     # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window

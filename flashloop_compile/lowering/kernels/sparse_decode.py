@@ -859,6 +859,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _linear_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
+    """Splits of the history per row for the code-domain scores and PV kernels: about
+    cfg.waves_linear programs per SM, and at least 32 per row (at most 128). H200, 32K, one
+    site (sessions 8-9): at B1 (16 rows) 4 waves = 33 splits beat 66 by 2-4%; at B4 (64 rows) 9
+    splits lost 5-7% to 17 and 33 (589/912 vs 624/975 us at depth 1/3)."""
+    return min(128, max(32, _cdiv(cfg.waves_linear * n_sm, rows)))
+
+
 def _split(total: int, block: int, want: int) -> tuple[int, int]:
     """(chunk, splits): `total` items in `splits` chunks of `chunk` (a multiple of `block`)."""
     want = max(1, min(int(want), _cdiv(total, block)))
@@ -1028,7 +1036,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * m_chunks))
     bnl = cfg.block_n_linear
     if linear is not None:
-        want = cfg.split_kv or min(128, _cdiv(cfg.waves_linear * n_sm, b * hkv))
+        want = cfg.split_kv or _linear_splits(cfg, n_sm, b * hkv)
     chunk_a, split_a = _split(s, bnl if linear is not None else cfg.block_n, want)
     probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
@@ -1105,7 +1113,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     e_chunks = _cdiv(e_group, block_e)
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * e_chunks))
     if linear is not None:
-        want = cfg.split_kv or min(128, _cdiv(cfg.waves_linear * n_sm, b * hkv))
+        want = cfg.split_kv or _linear_splits(cfg, n_sm, b * hkv)
     block_n_pv = cfg.block_n_pv or cfg.block_n
     chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
     e_total = (f + 1) * rows
