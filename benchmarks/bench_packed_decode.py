@@ -256,19 +256,15 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     out_v = torch.empty_like(out_k) if read else None
 
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v, ref_args=ref_args):
-                        if "read_config" in kw:  # read at launch: captured as set here
-                            saved_read = dict(K.PACKED_READ)
-                            K.PACKED_READ.update(kw["read_config"])
+                        if "read_config" in kw or "config" in kw:
+                            # PACKED_READ entries / sparse_decode's KernelConfig, read at launch: captured as set here
+                            saved_read, saved_cfg = dict(K.PACKED_READ), SD.DEFAULT_CONFIG
+                            K.PACKED_READ.update(kw.get("read_config", {}))
+                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
                             try:
-                                return fn({k: v for k, v in kw.items() if k != "read_config"})
+                                return fn({k: v for k, v in kw.items() if k not in ("read_config", "config")})
                             finally:
                                 K.PACKED_READ.update(saved_read)
-                        if "config" in kw:  # sparse_decode's KernelConfig, read at launch: captured as set here
-                            saved_cfg = SD.DEFAULT_CONFIG
-                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw["config"])
-                            try:
-                                return fn({k: v for k, v in kw.items() if k != "config"})
-                            finally:
                                 SD.DEFAULT_CONFIG = saved_cfg
                         if "reference" in kw:  # the flags are read at launch: captured as set here
                             saved = dict(K.PACKED_REFERENCE)
