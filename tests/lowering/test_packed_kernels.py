@@ -280,11 +280,17 @@ def _token_sparse_cache():
     return cache, g
 
 
-@pytest.mark.parametrize("bulk", [False, True])
-def test_read_returns_the_steps_own_tokens_from_flight(bulk):
-    # sparse decode's reads: the whole history and per-head selected keys, with this step's tokens
-    # in flight (decode: one past the end; and, as a stress of the bulk tiles, one below the
-    # flushed boundary, whose tile must not skip the overlay, with a padded second token)
+@pytest.mark.parametrize("mode", ["generic", "bulk", "fused"])
+def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
+    # sparse decode's reads: the whole history and per-head selected keys (with a padding entry),
+    # with this step's tokens in flight (decode: one past the end; and, as a stress of the bulk
+    # tiles, one below the flushed boundary, whose tile must not skip the overlay, with a padded
+    # second token). "fused" (PACKED_READ): the bulk kernel reads every tile itself, the generic
+    # kernel is never launched (here: launching it does nothing, so a tile left to it stays NaN)
+    bulk = mode != "generic"
+    if mode == "fused":
+        monkeypatch.setitem(K.PACKED_READ, "fused", True)
+        monkeypatch.setattr(K, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()
     for inflight_pos in ([[450]], [[100, -1]]):
         ip = torch.tensor(inflight_pos)
@@ -293,6 +299,7 @@ def test_read_returns_the_steps_own_tokens_from_flight(bulk):
         whole = torch.arange(452)[None]
         sel = torch.stack([torch.randperm(452, generator=g)[:48] for _ in range(H)])[None]
         sel[0, 0, :2] = ip.clamp_min(0)[0, 0]  # head 0 selected the in-flight token (twice)
+        sel[0, 1, -1] = -1  # padding: reads as 0
         for positions in (whole, sel):
             for d in (1, 3):
                 ka, va = P.packed_read_aten(*cache.op_tensors(0), positions, d, ip, ki, vi)

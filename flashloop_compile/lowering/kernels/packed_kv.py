@@ -438,32 +438,20 @@ def _write_tail_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["depth_arg"])
-def _read_kernel(
+@triton.jit
+def _read_tile(
+    p, t, tm, b, h, depth,
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
-    positions, out_k, out_v, lim, in_positions, k_in, v_in,
-    sp_b, sp_h, sp_t, sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-    P, Ti, depth_arg, B, H, S, NB, CAPT, R,
-    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
-    SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4, BPB: tl.constexpr = 32,
+    out_k, out_v, in_positions, k_in, v_in,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr,
 ):
-    """packed_read of positions [BP] of row (b, h) with per-token resolution (_reconstruct), the
-    positions equal to one of the row's Ti in-flight positions replaced by that token's K/V.
-    SKIP_BULK: _read_bulk_kernel wrote the tiles of BPB positions it qualifies for (BPB a multiple
-    of BP): a program in such a tile returns."""
-    depth = depth_arg - _DEPTH_BIAS
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(2) * BP + tl.arange(0, BP)
-    tm = t < P
-    p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
-    if SKIP_BULK:
-        tb = (tl.program_id(2) * BP // BPB) * BPB + tl.arange(0, BPB)  # the bulk kernel's tile
-        pb = tl.load(positions + b * sp_b + h * sp_h + tb * sp_t, mask=tb < P, other=-1)
-        if _bulk_read_tile(pb, tb < P, flushed + b * R, lim + b, depth, BPB, RP):
-            return
+    """packed_read of positions p (read-list indices t, tm: inside P) of row (b, h) with per-token
+    resolution (_reconstruct), the positions equal to one of the row's Ti in-flight positions
+    replaced by that token's K/V: the generic read of one tile."""
     pm = tm & (p >= 0) & (p < S)
     ke, ko, ve, vo, _ok = _reconstruct(
         p, pm, b, h, depth,
@@ -492,6 +480,41 @@ def _read_kernel(
     tl.store(out_k + o + 1, _round_to(ko, CD).to(ty), mask=m2)
     tl.store(out_v + o, _round_to(ve, CD).to(ty), mask=m2)
     tl.store(out_v + o + 1, _round_to(vo, CD).to(ty), mask=m2)
+
+
+
+@triton.jit(do_not_specialize=["depth_arg"])
+def _read_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    positions, out_k, out_v, lim, in_positions, k_in, v_in,
+    sp_b, sp_h, sp_t, sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, depth_arg, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+    SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4, BPB: tl.constexpr = 32,
+):
+    """packed_read of positions [BP] of row (b, h) (_read_tile).
+    SKIP_BULK: _read_bulk_kernel wrote the tiles of BPB positions it qualifies for (BPB a multiple
+    of BP): a program in such a tile returns."""
+    depth = depth_arg - _DEPTH_BIAS
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2) * BP + tl.arange(0, BP)
+    tm = t < P
+    p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
+    if SKIP_BULK:
+        tb = (tl.program_id(2) * BP // BPB) * BPB + tl.arange(0, BPB)  # the bulk kernel's tile
+        pb = tl.load(positions + b * sp_b + h * sp_h + tb * sp_t, mask=tb < P, other=-1)
+        if _bulk_read_tile(pb, tb < P, flushed + b * R, lim + b, depth, BPB, RP):
+            return
+    _read_tile(p, t, tm, b, h, depth,
+               k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+               k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+               k_tail, v_tail, flushed, rows, depth_count, res_layout,
+               out_k, out_v, in_positions, k_in, v_in,
+               sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+               P, Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP)
 
 
 @triton.jit
@@ -609,14 +632,20 @@ def _read_bulk_kernel(
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     flushed, rows, res_layout, positions, out_k, out_v, lim,
     sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
+    k_tail, v_tail, depth_count, in_positions, k_in, v_in,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, Ti,
     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
+    GENERIC: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """packed_read of the tiles _bulk_read_tile admits (sparse decode's loop-2 reference reads
     the whole history, its corrections the selected keys: almost all such tiles); _read_kernel
     with SKIP_BULK takes the others. No per-token resolution, the depth a constexpr (unrolled residuals), K
     parameters as 32-bit pair words, V group parameters selected in registers, and rows stored
     whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
-    _reconstruct: the two kernels write identical values."""
+    _reconstruct: the two kernels write identical values. GENERIC (PACKED_READ["fused"]): a tile
+    the test refuses is read here too, by _read_tile on SPLIT sub-tiles of BP / SPLIT positions in
+    turn (the generic kernel's tile), so no second launch is needed (the in-flight tensors and
+    strides are read only then)."""
     HD: tl.constexpr = D // 2
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -638,6 +667,19 @@ def _read_bulk_kernel(
         o = ((bh * P + t) * D)[:, None] + tl.arange(0, D)[None, :]
         tl.store(out_k + o, tl.reshape(tl.join(_round_to(ke, CD), _round_to(ko, CD)), [BP, D]).to(ty))
         tl.store(out_v + o, tl.reshape(tl.join(_round_to(ve, CD), _round_to(vo, CD)), [BP, D]).to(ty))
+    elif GENERIC:
+        BS: tl.constexpr = BP // SPLIT
+        for sub in range(SPLIT):
+            ts = tl.program_id(2) * BP + sub * BS + tl.arange(0, BS)
+            tms = ts < P
+            ps = tl.load(positions + b * sp_b + h * sp_h + ts * sp_t, mask=tms, other=-1)
+            _read_tile(ps, ts, tms, b, h, DEPTH,
+                       k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                       k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                       k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                       out_k, out_v, in_positions, k_in, v_in,
+                       sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+                       P, Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1360,8 +1402,12 @@ PACKED_PREFILL = _with_overrides(
 # window of ring + step tokens, a correction's last tile) and latency-bound (_reconstruct); split 4
 # (8 positions: 158 registers, 12 warps/SM at depth 3) took the 4x32K window read from 102 us (32
 # positions, spilling) to 24 us and a correction's from 38 to 31 us (session 9; splits 8 and 16 lose).
+# "fused" (opt-in): the bulk kernel also reads the tiles it refuses (_read_bulk_kernel GENERIC), so
+# a read is one launch: a correction's generic launch is ~26K programs at B4 x 32K that almost all
+# only test their tile and exit, 2-3 resident per SM at the generic kernel's registers.
 # FLASHLOOP_PACKED_READ (JSON) overrides.
-PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4}, "FLASHLOOP_PACKED_READ")
+PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
+                               "fused": False, "fused_maxnreg": None}, "FLASHLOOP_PACKED_READ")
 
 # packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
 # reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
@@ -1479,14 +1525,6 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     lim = positions  # read only by the bulk tile test
     if bulk:  # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
         lim = first_inflight(ip, S)
-    if bulk and not skip_bulk:
-        wrap(_read_bulk_kernel)[grid](
-            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-            flushed, rows, res_layout, positions, out_k, out_v, lim,
-            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
-            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, num_warps=PACKED_READ["num_warps"],
-        )
     # the generic kernel resolves every token with all residual depths in flight at once (latency-
     # bound: see _reconstruct): tiles of bp / generic_split positions keep it within the registers
     # (sm_90, D 128, depth 3: 228 registers at 16, 254 spill ops at 32; scripts/kernel_report.py)
@@ -1496,6 +1534,20 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     bpg = max(1, bp // split)
     if bp % bpg:
         raise ValueError(f"PACKED_READ generic_split {split} must divide the read tile {bp}")
+    # fused: the bulk kernel reads the tiles its test refuses as well (one launch; see _read_bulk_kernel)
+    fused = bulk and not skip_bulk and bool(PACKED_READ["fused"])
+    generic_args = (k_tail, v_tail, depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1])
+    if bulk and not skip_bulk:
+        wrap(_read_bulk_kernel)[grid](
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+            flushed, rows, res_layout, positions, out_k, out_v, lim,
+            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R, *generic_args,
+            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, GENERIC=fused, NP=np_, SPLIT=bp // bpg,
+            num_warps=PACKED_READ["num_warps"], **({"maxnreg": PACKED_READ["fused_maxnreg"]} if fused and PACKED_READ["fused_maxnreg"] else {}),
+        )
+    if fused:
+        return
     wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bpg))](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
