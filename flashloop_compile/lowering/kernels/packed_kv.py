@@ -482,7 +482,6 @@ def _read_tile(
     tl.store(out_v + o + 1, _round_to(vo, CD).to(ty), mask=m2)
 
 
-
 @triton.jit(do_not_specialize=["depth_arg"])
 def _read_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
