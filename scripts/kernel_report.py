@@ -10,7 +10,7 @@ here before it is timed.
     python scripts/kernel_report.py                       # packed decode (fast, generic), prefill, sparse decode, read, write
     python scripts/kernel_report.py --only read --depth 3  # loop depth of the decode and read launches (a bulk-kernel constexpr)
     python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
-    python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS
+    python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS and loops (.loops.txt)
 
 The launchers run on CPU tensors at real shapes (ouro-1.4b: 16 kv heads x 128, bf16) with a fake
 Triton driver that reports an sm_90 target, and every launch is compiled (JITFunction.warmup)
@@ -95,6 +95,10 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{name}.sass").write_text(sass)
+    loops = _loops(sass)
+    if dump is not None and loops:
+        (dump / f"{name}.loops.txt").write_text("".join(
+            f"{n} instructions: " + ", ".join(f"{k} {v}" for k, v in mix.most_common()) + "\n" for n, mix in loops))
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     ops = collections.Counter()
@@ -112,9 +116,34 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
         "bar_sync": sum(v for k, v in ops.items() if k.startswith("BAR")),
         "shfl": sum(v for k, v in ops.items() if k.startswith("SHFL")),
         "mma": sum(v for k, v in ops.items() if k.startswith(("HMMA", "HGMMA", "WGMMA"))),
+        "loop": max((n for n, _ in loops), default=0),
         "loads": dict(sorted(loads.items())),
         "stores": dict(sorted(stores.items())),
     }
+
+
+_INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def _loops(sass: str) -> list[tuple[int, collections.Counter]]:
+    """The loops of a SASS listing (a label ``.L_x_N:`` and a later branch back to it), each as
+    (instructions in the body, opcode mix without modifiers), largest first. A key-tile loop's
+    count is the per-tile cost that launch points and layouts change; session 8 found synchronous
+    loads with it, session 9 the per-tile conversions of the linear kernels."""
+    ops, labels, loops = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        m = _INSTR.match(line)
+        if m:
+            ops.append(m.group(1))
+            target = re.search(r"(\.L_x_\d+)", m.group(2))
+            if m.group(1).startswith("BRA") and target and labels.get(target.group(1), len(ops)) < len(ops) - 1:
+                body = ops[labels[target.group(1)]:]
+                loops.append((len(body), collections.Counter(o.split(".")[0] for o in body)))
+    return sorted(loops, key=lambda x: -x[0])
 
 
 def _decode_setup(B: int, S: int, T: int = 1):
@@ -224,11 +253,11 @@ def main() -> None:
         for r in rows:
             print(json.dumps(r))
         return
-    print(f"{'kernel':52s} {'warps':>5s} {'regs':>5s} {'w/SM':>5s} {'spill':>5s} {'smem':>7s} {'instr':>6s} {'bar':>4s} {'shfl':>5s} {'mma':>4s}  loads")
+    print(f"{'kernel':52s} {'warps':>5s} {'regs':>5s} {'w/SM':>5s} {'spill':>5s} {'smem':>7s} {'instr':>6s} {'bar':>4s} {'shfl':>5s} {'mma':>4s} {'loop':>5s}  loads")
     for r in rows:
         loads = " ".join(f"{k}x{v}" for k, v in r["loads"].items())
         print(f"{r['kernel']:52s} {r['num_warps']:5d} {r['regs']!s:>5s} {r['warps_per_sm']!s:>5s} {r['spill_ops']:5d} {r['shared']:7d} "
-              f"{r['instructions']:6d} {r['bar_sync']:4d} {r['shfl']:5d} {r['mma']:4d}  {loads}")
+              f"{r['instructions']:6d} {r['bar_sync']:4d} {r['shfl']:5d} {r['mma']:4d} {r['loop']:5d}  {loads}")
 
 
 if __name__ == "__main__":

@@ -90,3 +90,27 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
         assert r["spill_ops"] == 0 and r["warps_per_sm"] >= 8, r
     assert pv["loads"].get("LDG.E.U16", 0) == 0, pv["loads"]
     assert pv["loads"].get("LDGSTS.E.BYPASS.128", 0) > 0  # the codes by cp.async
+
+
+def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
+    # The per-tile instruction count of a key-tile loop (the report's "loop" column): a label and a
+    # later branch back to it; a forward branch to a later label is not a loop.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from kernel_report import _loops
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+    .L_x_1:
+        /*0010*/                   HADD2.F32 R2, -RZ, R3.H0_H0 ;
+        /*0020*/                   FFMA R4, R2, R5, R4 ;
+        /*0030*/               @P0 BRA `(.L_x_2) ;
+        /*0040*/                   FFMA R4, R2, R5, R4 ;
+    .L_x_2:
+        /*0050*/                   ISETP.GE.AND P1, PT, R6, R7, PT ;
+        /*0060*/              @!P1 BRA `(.L_x_1) ;
+        /*0070*/                   EXIT ;
+    """
+    (n, mix), = _loops(sass)
+    assert n == 6 and mix == {"HADD2": 1, "FFMA": 2, "BRA": 2, "ISETP": 1}
