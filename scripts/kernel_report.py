@@ -103,7 +103,7 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
     stack = re.search(r"STACK:(\d+)", usage)
     ops = collections.Counter()
     for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        m = _INSTR.match(line)
         if m:
             ops[m.group(1)] += 1
     loads = {k: v for k, v in ops.items() if k.startswith(("LDG", "LDS", "LDL", "LDSM"))}
