@@ -195,11 +195,11 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     *[(f"{what} read split{n}", {**kw, "read_config": {"generic_split": n}})
       for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))
       for n in (1, 8, 16)],
-    # the fused read (PACKED_READ "fused": one launch, the bulk kernel also reads the tiles it refuses),
-    # uncapped and at 168 registers (12 warps per SM at depth 3)
-    *[(f"{what} read fused{tag}", {**kw, "read_config": {"fused": True, "fused_maxnreg": r}})
+    # the read in two launches (PACKED_READ "fused" off: bulk, then generic) and the fused one (the
+    # default) capped at 168 registers (12 warps per SM at depth 3)
+    *[(f"{what} read {tag}", {**kw, "read_config": cfg})
       for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))
-      for tag, r in (("", None), (" r168", 168))],
+      for tag, cfg in (("two launches", {"fused": False}), ("fused r168", {"fused_maxnreg": 168}))],
 ]
 
 

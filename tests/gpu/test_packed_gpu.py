@@ -124,15 +124,16 @@ def test_write_and_attention_match_aten(B, S, lengths):
         kk, vk = P.packed_read(ck, 0, sel, d, inflight=flight)
         assert torch.equal(ka, kk) and torch.equal(va, vk), f"selected keys in flight, depth {d}"
         assert torch.equal(kk[:, :, 0], flight[1][:, :, 0])
-        # the fused read (PACKED_READ["fused"]: one launch, the bulk kernel reads every tile)
-        fk, fv = torch.full_like(kk, float("nan")), torch.full_like(vk, float("nan"))
-        fused = K.PACKED_READ["fused"]
-        K.PACKED_READ["fused"] = True
-        try:
-            K.launch_packed_read(ck.op_tensors(0), sel, d, fk, fv, inflight=flight)
-        finally:
+        # the fused read (PACKED_READ["fused"], the default: one launch) and the two-launch read
+        for fused in (True, False):
+            fk, fv = torch.full_like(kk, float("nan")), torch.full_like(vk, float("nan"))
+            saved = K.PACKED_READ["fused"]
             K.PACKED_READ["fused"] = fused
-        assert torch.equal(ka, fk) and torch.equal(va, fv), f"fused read, depth {d}"
+            try:
+                K.launch_packed_read(ck.op_tensors(0), sel, d, fk, fv, inflight=flight)
+            finally:
+                K.PACKED_READ["fused"] = saved
+            assert torch.equal(ka, fk) and torch.equal(va, fv), f"fused={fused} read, depth {d}"
 
 
 def test_prefill_chunk_attention_matches_aten():

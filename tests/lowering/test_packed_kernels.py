@@ -244,7 +244,9 @@ def test_the_generic_read_takes_every_row_of_a_tile_the_bulk_kernel_leaves(monke
 def _assert_one_kernel_writes(monkeypatch, kernel: str, head1_tile2: list[int], what: str) -> None:
     """Reads of 32 scattered flushed positions per head (head 1's second 16-position tile replaced
     by head1_tile2) with only ``kernel`` launched, into poisoned outputs: the bulk kernel must write
-    every tile but that one, the generic kernel only that one, each as the ATen body reads it."""
+    every tile but that one, the generic kernel only that one, each as the ATen body reads it.
+    The two-launch read (PACKED_READ fused off): the split between the kernels is what is tested."""
+    monkeypatch.setitem(K.PACKED_READ, "fused", False)
     cache, g = _token_sparse_cache()
     sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
     sel[0, 1, 16:] = torch.tensor(head1_tile2)
@@ -285,11 +287,12 @@ def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
     # sparse decode's reads: the whole history and per-head selected keys (with a padding entry),
     # with this step's tokens in flight (decode: one past the end; and, as a stress of the bulk
     # tiles, one below the flushed boundary, whose tile must not skip the overlay, with a padded
-    # second token). "fused" (PACKED_READ): the bulk kernel reads every tile itself, the generic
-    # kernel is never launched (here: launching it does nothing, so a tile left to it stays NaN)
+    # second token). "bulk": the two launches; "fused" (PACKED_READ, the default): the bulk kernel
+    # reads every tile itself, the generic kernel is never launched (here: launching it does
+    # nothing, so a tile left to it stays NaN)
     bulk = mode != "generic"
+    monkeypatch.setitem(K.PACKED_READ, "fused", mode == "fused")
     if mode == "fused":
-        monkeypatch.setitem(K.PACKED_READ, "fused", True)
         monkeypatch.setattr(K, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()
     for inflight_pos in ([[450]], [[100, -1]]):

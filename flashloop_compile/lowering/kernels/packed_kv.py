@@ -1401,12 +1401,14 @@ PACKED_PREFILL = _with_overrides(
 # window of ring + step tokens, a correction's last tile) and latency-bound (_reconstruct); split 4
 # (8 positions: 158 registers, 12 warps/SM at depth 3) took the 4x32K window read from 102 us (32
 # positions, spilling) to 24 us and a correction's from 38 to 31 us (session 9; splits 8 and 16 lose).
-# "fused" (opt-in): the bulk kernel also reads the tiles it refuses (_read_bulk_kernel GENERIC), so
-# a read is one launch: a correction's generic launch is ~26K programs at B4 x 32K that almost all
-# only test their tile and exit, 2-3 resident per SM at the generic kernel's registers.
+# "fused" (the default since session 10): the bulk kernel also reads the tiles it refuses
+# (_read_bulk_kernel GENERIC), so a read is one launch: a correction's generic launch was ~26K
+# programs at B4 x 32K that almost all only tested their tile and exited, 2-3 resident per SM at the
+# generic kernel's registers. 4x32K sparse + quant step 34.18 -> 33.29 ms (same run); 1x32K 0.77x ->
+# 0.80x of dense (two runs). False: the two launches (bulk, then generic with SKIP_BULK).
 # FLASHLOOP_PACKED_READ (JSON) overrides.
 PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
-                               "fused": False, "fused_maxnreg": None}, "FLASHLOOP_PACKED_READ")
+                               "fused": True, "fused_maxnreg": None}, "FLASHLOOP_PACKED_READ")
 
 # packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
 # reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
