@@ -154,6 +154,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
        {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv, "linear": True}})
       for bn, w, st, mr, wv in ((16, 4, 3, None, 4), (32, 4, 2, None, 4), (32, 4, 3, None, 4), (32, 4, 4, None, 4),
                                 (32, 4, 3, None, 8), (32, 4, 3, 168, 4), (64, 8, 3, None, 4))],
+    # FAST_DECODE "half" (opt-in): K rebuilt in fp16 for the scores (packed HFMA2, no parameter
+    # conversion); kernel_report at depth 1: 945 -> 843 instructions per tile, 211 -> 167 registers
+    ("fast linear bn32 w4 s3 x4 half", {"tuning": {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4,
+                                                   "linear": True, "half": True}}),
     # the tensor-core kernel (FAST_DECODE "mma", opt-in, untimed): sm_90 compile 140 registers at
     # bn32 depth 1 (12 warps/SM), 255 with 3 spill ops at depth 3
     *[(f"fast mma bn{bn} w{w} s{st} x4", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "mma": True}})
@@ -177,7 +181,8 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("reference linear", {"reference": "linear"}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
       for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
-                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
+                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}),
+                        ("half", {"half_linear": True}))],
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
     # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
     # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window

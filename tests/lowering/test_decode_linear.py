@@ -42,6 +42,20 @@ def test_linear_decode_matches_aten(dtype, group, block_n):
     _check_decode(cache, dtype, {"linear": True, "block_n": block_n}, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("group, block_n", [(64, 32), (32, 16)], ids=["g64_bn32", "g32_bn16"])
+def test_half_linear_decode_matches_aten_on_bf16_caches(group, block_n):
+    # FAST_DECODE["half"]: K rebuilt in fp16 from the codes (codes as 1024 + code, packed fp16
+    # FMAs with the stored fp16 parameters), scores in FP32: fp16 keeps 3 more bits than the
+    # reference's bf16 K, so the bf16 tolerance; depths 0..3, ragged rows, residuals present and
+    # absent in a tile. Dropping a residual (its FMA or its minimum's bias) fails it.
+    _check_decode(_cache(torch.bfloat16, group), torch.bfloat16, {"linear": True, "half": True, "block_n": block_n}, 1e-2)
+
+
+def test_half_linear_decode_keeps_fp32_caches_in_fp32():
+    # fp16 would cost an fp32 model 13 bits of K: there "half" takes the FP32 path (1e-5)
+    _check_decode(_cache(torch.float32, 64), torch.float32, {"linear": True, "half": True, "block_n": 32}, 1e-5)
+
+
 @pytest.mark.parametrize("dtype, block_n", [(torch.float32, 16), (torch.bfloat16, 32)], ids=["fp32_bn16", "bf16_bn32"])
 def test_mma_decode_matches_aten(dtype, block_n):
     # FAST_DECODE["mma"]: codes as fp16 subnormals into tensor-core products, q * scale and

@@ -786,6 +786,7 @@ def _decode_bulk_kernel(
     sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
     CD: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr, LINEAR: tl.constexpr = False,
+    HALF: tl.constexpr = False,
 ):
     """The packed bulk of one-query-row decode (the FAST_DECODE path): splits z < NSTORED of the
     key tiles of BN keys below every depth's flushed boundary and the stored end. There the
@@ -844,7 +845,7 @@ def _decode_bulk_kernel(
         p = tile * BN + tl.arange(0, BN)  # int32: positions < S
         if LINEAR:
             s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
-                               (tile * BN) // G, q24, b, h, B, H, S, NB, D, DEPTH) * scale
+                               (tile * BN) // G, q24, b, h, B, H, S, NB, D, DEPTH, HALF) * scale
         else:
             kw = ((tile * BN) // G * HD + i)[None, :]  # the tile's block of K parameters (BN divides G)
             ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
@@ -912,6 +913,24 @@ def _code_units(w):
 
 
 @triton.jit
+def _code_values(w):
+    """The INT4 codes of int32 code words w [BN, D/8] as exact fp16 integers, [BN, D/8, 2, 2, 2] in
+    _code_units' order: a nibble pair masked into the mantissas of an fp16 pair 1024 (0x6400: the
+    pair reads 1024 + code, exact), one LOP3, then 1024 subtracted, one packed HADD2 per pair."""
+    m = 0x000F000F
+    e = 0x64006400
+    return tl.join(tl.join(_fp16_pairs((w & m) | e), _fp16_pairs(((w >> 8) & m) | e)),
+                   tl.join(_fp16_pairs(((w >> 4) & m) | e), _fp16_pairs(((w >> 12) & m) | e))) - 1024.0
+
+
+@triton.jit
+def _channel_params_h(ptr, pw, D: tl.constexpr):
+    """_channel_params as stored (fp16), unconverted."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw + tl.arange(0, D // 2)[None, :])
+    return _fp16_pairs(tl.reshape(w, [1, D // 8, 2, 2]))
+
+
+@triton.jit
 def _channel_params(ptr, pw, D: tl.constexpr):
     """FP32 per-channel parameters [1, D/8, 2, 2, 2] (in _code_units' order) of the fp16 table ptr
     from pair word pw on: D/2 contiguous 32-bit words (128-bit loads), split as _word_pairs. Fewer
@@ -956,7 +975,7 @@ def _word_groups(ptr, r, D: tl.constexpr, G: tl.constexpr, rmask=None):
 
 @triton.jit
 def _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, blk, q24,
-                   b, h, B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr):
+                   b, h, B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr, HALF: tl.constexpr = False):
     """q . k [BN] of positions p (in K block blk) of the flushed bulk of row (b, h) without
     reconstructing k; pointers as _bulk_k's, q24: q * 2^24 in _code_units' order. With codes c
     in units of 2^-24 and the tile's K parameters its block's,
@@ -968,10 +987,22 @@ def _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale,
     words = tl.arange(0, W)[None, :]
     pw = blk * (D // 2)  # the block's parameters
     kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
+    if HALF:
+        qn = q24 * (1.0 / 16777216.0)
+        k = tl.fma(_code_values(tl.load(kb_words + p[:, None] * W + words)), _channel_params_h(kb_scale, pw, D),
+                   _channel_params_h(kb_min, pw, D))
+        hbias = tl.zeros(p.shape, tl.float32)
+        for j in tl.static_range(1, DEPTH + 1):
+            has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
+            c = _code_values(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0))
+            pk = (((j - 1) * B + b) * H + h) * NB * D
+            k = tl.fma(c, _channel_params_h(k_res_scale + pk, pw, D), k)
+            hbias += tl.where(has, _row_sums(qn * _channel_params(k_res_min + pk, pw, D)), 0.0)
+        return _row_sums(k.to(tl.float32) * qn) + hbias
     x = (_code_units(tl.load(kb_words + p[:, None] * W + words)) * _channel_params(kb_scale, pw, D)
          + _channel_params(kb_min, pw, D) * (1.0 / 16777216.0))
     bias = tl.zeros(p.shape, tl.float32)
-    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
     for j in tl.static_range(1, DEPTH + 1):
         has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
         c = _code_units(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0))
@@ -1373,7 +1404,7 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4, "maxnreg": None, "linear": True,
-    "mma": False,
+    "mma": False, "half": False,
 }, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
@@ -1642,7 +1673,8 @@ def launch_packed_attention(
         bulk_kernel, opts = kernel, {"num_warps": tune["num_warps"]}
         if tune["maxnreg"] and not interp:  # a launch option wrap_triton does not pass: a one-config autotuner
             bulk_kernel, opts = _pinned_config(kernel, tune["num_warps"], stages, tune["maxnreg"]), {}
-        variant = dict(EXACT=interp) if mma else dict(CD=cd, LINEAR=bool(tune.get("linear", False)))
+        variant = dict(EXACT=interp) if mma else dict(CD=cd, LINEAR=bool(tune.get("linear", False)),
+                                                      HALF=bool(tune["half"]) and q.dtype != torch.float32)
         wrap(bulk_kernel)[(Bc * H, ns)](
             q, q_positions, p0, flushed,
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
