@@ -259,7 +259,8 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         corr_cache.append(torch.ops.flashloop.packed_reference_attention(*ref_args))
                     return corr_cache[0]
                 corr_inputs()  # outside any graph capture
-                for name, kw in [(n, kw) for n, kw in SWEEP if any(v in n for v in args.variants.split("|"))]:
+                for name, kw in [(n, kw) for n, kw in SWEEP if any(n == v[1:] if v.startswith("=") else v in n
+                                                                 for v in args.variants.split("|"))]:
                     read = kw.get("read", False)
                     n_read = reads[read].shape[-1] if read else 0
                     out_k = torch.empty(B, H, n_read, D, device="cuda", dtype=DT) if read else None
@@ -368,7 +369,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="with --sweep: after each variant's timing, N eager calls under the profiler: device us per kernel")
-    ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text (alternatives separated by |)")
+    ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text, or is it "
+                    "with a leading '=' (alternatives separated by |)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_packed_decode needs a CUDA device")
