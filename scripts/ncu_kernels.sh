@@ -3,9 +3,9 @@
 # bench_packed_decode's sweep (the variants it checks against ATen before timing), for what a
 # sweep cannot say: whether a kernel is bound by DRAM, by issue, or by waiting (the warp stall
 # reasons per issued instruction). The device runs on Firecracker, where ncu reads the counters;
-# the clocks are left alone (--clock-control none). One device call (about 4 minutes cold):
+# the clocks are left alone (--clock-control none). One device call (a few minutes):
 #
-#   OUT=$OUT/ncu bash scripts/ncu_kernels.sh                      # B4 x 32K, depths 1 and 3
+#   OUT=$OUT/ncu bash scripts/ncu_kernels.sh                      # B4 x 32K, depth 1
 #   KERNELS='_read_bulk_kernel' VARIANTS='=correction read then correct' DEPTHS=3 bash scripts/ncu_kernels.sh
 #
 # $OUT/ncu.txt: ncu's report; the table at the end: scripts/ncu_summary.py.
@@ -19,10 +19,14 @@ VARIANTS=${VARIANTS:-=fast linear bn32 w4 s3 x4|=reference linear|=correction re
 STALLS="long_scoreboard barrier short_scoreboard math_pipe_throttle wait not_selected selected mio_throttle lg_throttle
         dispatch_stall no_instruction branch_resolving imc_miss drain membar sleeping tex_throttle"
 METRICS=$(for s in $STALLS; do printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' "$s"; done)
-timeout "${NCU_TIMEOUT:-420}" ncu --clock-control none --target-processes all -k "regex:$KERNELS" -c "${COUNT:-40}" \
-  --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-  --section SchedulerStats --section MemoryWorkloadAnalysis --metrics "${METRICS%,}" \
-  python3 benchmarks/bench_packed_decode.py --sweep --batch ${BATCH:-4} --seq 32768 --depths ${DEPTHS:-1 3} \
-  --repeats 1 --warmup 0 --variants "$VARIANTS" > "$OUT/ncu.txt" 2>&1
-echo "ncu rc $?"
+IFS='|' read -ra VARS <<< "$VARIANTS"
+: > "$OUT/ncu.txt"
+for v in "${VARS[@]}"; do  # one ncu run per variant: -c counts the matching launches of the whole run
+  timeout "${NCU_TIMEOUT:-200}" ncu --clock-control none --target-processes all -k "regex:$KERNELS" -c "${COUNT:-6}" \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --metrics "${METRICS%,}" \
+    python3 benchmarks/bench_packed_decode.py --sweep --batch ${BATCH:-4} --seq 32768 --depths ${DEPTHS:-1} \
+    --repeats 20 --warmup 0 --variants "$v" >> "$OUT/ncu.txt" 2>&1
+  echo "$v: ncu rc $?"
+done
 python3 scripts/ncu_summary.py "$OUT/ncu.txt" | tee "$OUT/ncu_summary.txt"
