@@ -156,8 +156,12 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
                                 (32, 4, 3, None, 8), (32, 4, 3, 168, 4), (64, 8, 3, None, 4))],
     # FAST_DECODE "half" (opt-in): K rebuilt in fp16 for the scores (packed HFMA2, no parameter
     # conversion); kernel_report at depth 1: 945 -> 843 instructions per tile, 211 -> 167 registers
-    ("fast linear bn32 w4 s3 x4 half", {"tuning": {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4,
-                                                   "linear": True, "half": True}}),
+    # ... and the waves around the default: ncu (session 11) puts the linear kernel at 2-3 resident
+    # programs per SM (211 registers at depth 1, 168 at depth 0 and with half), so 4 waves of
+    # programs can leave a partial last round
+    *[(f"fast linear bn32 w4 s3 x{wv}{' half' if half else ''}",
+       {"tuning": {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": wv, "linear": True, "half": half}})
+      for wv, half in ((4, True), (3, False), (6, False), (3, True), (6, True))],
     # the tensor-core kernel (FAST_DECODE "mma", opt-in, untimed): sm_90 compile 140 registers at
     # bn32 depth 1 (12 warps/SM), 255 with 3 spill ops at depth 3
     *[(f"fast mma bn{bn} w{w} s{st} x4", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "mma": True}})
@@ -205,6 +209,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     *[(f"{what} read {tag}", {**kw, "read_config": cfg})
       for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))
       for tag, cfg in (("two launches", {"fused": False}), ("fused r168", {"fused_maxnreg": 168}))],
+    # the bulk read of a correction's selected keys (ncu, session 11: 17.8% occupancy at 154
+    # registers, waiting on memory) at more warps or smaller tiles
+    *[(f"correction read then correct read {tag}", {"correction": "read", "read_config": cfg})
+      for tag, cfg in (("w8", {"num_warps": 8}), ("bp16", {"block_p": 16}), ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
 ]
 
 
