@@ -1401,10 +1401,16 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # Session 8: the linear kernel keeps its online softmax per key lane (no cross-warp reduction per
 # tile) and loads V parameters as 32-bit words (pipelined): 128/227/394/792 us at B1/B4 x depth 1/3
 # (was 163/232/499/794); waves 8 ties (135/225/397/739).
+# Session 11: "half" (K rebuilt in fp16 for the scores: codes as 1024 + code, packed HFMA2 with the
+# stored fp16 parameters, FP32 products; 16-bit caches only, FP32 caches keep FP32) and 3 waves.
+# ncu put the kernel at 2-3 resident programs per SM (211 registers at depth 1, 168 at depth 0 or
+# with half) and ~70% issue-busy: 4 waves of programs left a partial last round. Same-run sweep,
+# B1/B4 x depth 0/1: 91.2/238.4/136.1/396.5 us -> 90.1/216.0/130.7/371.3 (half alone: none faster,
+# x3 alone: 2 of 4; benchmarks/RESULTS.md).
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
-    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 4, "maxnreg": None, "linear": True,
-    "mma": False, "half": False,
+    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "maxnreg": None, "linear": True,
+    "mma": False, "half": True,
 }, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
