@@ -208,9 +208,6 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
         run("sparse linear reference B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
-        half = dataclasses.replace(SD.DEFAULT_CONFIG, half_linear=True)
-        run("sparse linear reference half B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear, config=half))
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear))
     if only in (None, "read"):

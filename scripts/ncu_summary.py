@@ -10,7 +10,7 @@ import sys
 COLUMNS = {  # report line -> column
     "Duration": "us", "DRAM Throughput": "dram%", "Memory Throughput": "mem%", "Compute (SM) Throughput": "sm%",
     "Registers Per Thread": "regs", "Achieved Occupancy": "occ%", "Theoretical Occupancy": "theo%",
-    "Issue Slots Busy": "issue%", "No Eligible": "noelig%", "Warp Cycles Per Issued Instruction": "cyc/inst",
+    "Issued Warp Per Scheduler": "ipc/smsp", "No Eligible": "noelig%", "Warp Cycles Per Issued Instruction": "cyc/inst",
     "L1/TEX Hit Rate": "l1hit%", "L2 Hit Rate": "l2hit%",
 }
 STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio")
@@ -35,17 +35,19 @@ def parse(text: str) -> list[dict]:
             v = float(value)
         except ValueError:
             continue
+        unit = parts[1] if len(parts) == 3 else ""
         if m:
             cur["stalls"][m.group(1)] = v
+        elif name == "Memory Throughput" and unit.endswith("byte/s"):  # Memory Workload Analysis: the rate
+            cur["GB/s"] = v * {"Tbyte/s": 1000.0, "Gbyte/s": 1.0, "Mbyte/s": 0.001}.get(unit, float("nan"))
         elif name in COLUMNS:
-            unit = parts[1] if len(parts) == 3 else ""
             cur[COLUMNS[name]] = v * (1000.0 if unit == "ms" else 0.001 if unit == "ns" else 1.0) if name == "Duration" else v
     return rows
 
 
 def main() -> None:
     rows = parse(open(sys.argv[1]).read())
-    cols = list(COLUMNS.values())
+    cols = list(COLUMNS.values()) + ["GB/s"]
     print(f"{'kernel':24s} {'grid':>11s} " + " ".join(f"{c:>8s}" for c in cols) + "  top stalls (cycles per issued instruction)")
     for r in rows:
         top = sorted(r["stalls"].items(), key=lambda kv: -kv[1])[:4]

@@ -3,8 +3,10 @@ in the code domain, no reconstructed K/V) against the ATen body, run by the inte
 
 Without the compute-dtype rounding of the reconstruction, the linear form equals the reference
 up to FP32 rounding on fp32 caches (tolerance 1e-5) and up to the reference's bf16 rounding of
-K/V on bf16 caches (the bf16 tolerance, 1e-2). The tensor-core variant (FAST_DECODE["mma"]) rounds
-q * scale and p * scale to fp16 per tile: 1e-3 on fp32 caches, 1e-2 on bf16."""
+K/V on bf16 caches (the bf16 tolerance, 1e-2). On 16-bit caches the scores take K rebuilt in
+fp16 (FAST_DECODE["half"], the default since session 11), still within the bf16 tolerance. The
+tensor-core variant (FAST_DECODE["mma"]) rounds q * scale and p * scale to fp16 per tile: 1e-3 on
+fp32 caches, 1e-2 on bf16."""
 
 from __future__ import annotations
 

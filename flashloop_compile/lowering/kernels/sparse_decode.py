@@ -226,7 +226,6 @@ def _scores_linear_kernel(
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
     B, NB, CAPT,
     D: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, DEPTH: tl.constexpr, STAGES: tl.constexpr,
-    HALF: tl.constexpr = False,
 ):
     """_scores_kernel for one query row per kv head (row = b * HKV + hk) over a packed history:
     the keys below lo[b] (a multiple of BN at or below every depth's flushed boundary and the
@@ -261,7 +260,7 @@ def _scores_linear_kernel(
     for n0 in tl.range(start, mid, BN, num_stages=STAGES):
         n = n0 + tl.arange(0, BN)
         s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, n,
-                           n0 // GP, q24, b, hk, B, HKV, S, NB, D, DEPTH, HALF) * scale_f
+                           n0 // GP, q24, b, hk, B, HKV, S, NB, D, DEPTH) * scale_f
         s = tl.where(tl.load(m_base + n.to(tl.int64) * sms) != 0, s, float("-inf"))
         tl.store(s_ptr + row * S + n, s)
         m_v, l_v = _lane_softmax(m_v, l_v, s)
@@ -845,7 +844,6 @@ class KernelConfig:
     num_stages_linear: int = 3
     waves_linear: int = 4  # linear kernels: splits of S for about this many programs per SM (with split_kv None)
     block_k_linear: int = 16  # selected keys per tile of the code-domain correction (opt-in)
-    half_linear: bool = False  # linear scores: K reconstructed in fp16 from the codes (packed HFMA2)
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -1059,7 +1057,6 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
             mask_full.stride(0), mask_full.stride(1), mask_full.stride(3),
             chunk_a, split_a, *largs,
             D=d, GP=gp, BN=bnl, DEPTH=depth, STAGES=cfg.num_stages_linear,
-            HALF=cfg.half_linear and q.dtype != torch.float32,
             num_warps=cfg.num_warps_linear,
         )
     else:
