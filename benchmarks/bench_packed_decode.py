@@ -198,7 +198,13 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
       for name, cfg in (("s16", {"split_corr": 16}), ("s32", {"split_corr": 32}),
                         ("lane bk32", {"lane_corr": True, "block_k": 32}),
                         ("lane bk32 s16", {"lane_corr": True, "block_k": 32, "split_corr": 16}),
-                        ("lane bk64 w8 s16", {"lane_corr": True, "block_k": 64, "num_warps_corr": 8, "split_corr": 16}))],
+                        ("lane bk64 w8 s16", {"lane_corr": True, "block_k": 64, "num_warps_corr": 8, "split_corr": 16}),
+                        # software-pipelined gathers (num_stages_corr): ncu (session 11) has the kernel
+                        # waiting on memory (long scoreboard 14.9 cycles per instruction, no eligible
+                        # warp 77% of cycles); kernel_report: stages 2 94 registers / 35 KB, 20 warps
+                        # per SM; bk32 stages 2 64 registers, 32 warps per SM (untimed)
+                        ("stages2", {"num_stages_corr": 2}), ("stages3", {"num_stages_corr": 3}),
+                        ("bk32 stages2", {"block_k": 32, "num_stages_corr": 2}))],
     # the generic read's tile (PACKED_READ generic_split: bulk tile / split positions per program)
     *[(f"{what} read split{n}", {**kw, "read_config": {"generic_split": n}})
       for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))

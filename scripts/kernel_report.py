@@ -200,6 +200,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
             cfg = dataclasses.replace(SD.DEFAULT_CONFIG, lane_corr=True, block_k=bk, num_warps_corr=w)
             run(f"sparse correction lane bk{bk} w{w} B4 32K",
                 lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
+        for bk, st in ((64, 2), (32, 2)):  # software-pipelined gathers (KernelConfig.num_stages_corr)
+            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
+            run(f"sparse correction bk{bk} stages{st} B4 32K",
+                lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
         t = _decode_setup(B, S)[0]  # the packed reference: scores and PV decode the flushed bulk themselves
         packed = (t, depth, torch.full((B,), S - 1, dtype=torch.int64))
         run("sparse packed reference B4 32K",

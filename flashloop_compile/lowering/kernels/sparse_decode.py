@@ -606,8 +606,10 @@ def _correction_kernel(
     svb, svh, svs, svd,
     sob, soh, sot, sod,
     D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, LANE: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
-    """LANE: online softmax and accumulator per key lane ([BLOCK_K] maxima and sums, [BLOCK_K, D]
+    """STAGES (KernelConfig.num_stages_corr): software-pipelined key tiles (cp.async gathers: the
+    index load one stage ahead of the K/V rows it addresses); 1: a plain loop. LANE: online softmax and accumulator per key lane ([BLOCK_K] maxima and sums, [BLOCK_K, D]
     partial outputs), merged once at the end: no reduction across the key lanes per tile (the
     per-tile max and sum over keys are cross-warp reductions); otherwise one running max per row."""
     row = tl.program_id(0)
@@ -632,7 +634,7 @@ def _correction_kernel(
         m_v = tl.full([BLOCK_K], float("-inf"), tl.float32)
         l_v = tl.zeros([BLOCK_K], tl.float32)
         acc_v = tl.zeros([BLOCK_K, D], tl.float32)
-        for j0 in range(start, end, BLOCK_K):
+        for j0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
             j = j0 + tl.arange(0, BLOCK_K)
             j_ok = j < end
             idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
@@ -651,7 +653,7 @@ def _correction_kernel(
         l_i = tl.sum(l_v * w, 0)
         acc = tl.sum(acc_v * w[:, None], 0)
     else:
-        for j0 in range(start, end, BLOCK_K):
+        for j0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
             j = j0 + tl.arange(0, BLOCK_K)
             j_ok = j < end
             idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
@@ -838,6 +840,7 @@ class KernelConfig:
     num_warps_compact: int = 4
     num_warps_corr: int = 4
     lane_corr: bool = False  # correction kernel: online softmax per key lane (_correction_kernel's LANE)
+    num_stages_corr: int = 1  # correction kernel: software-pipelined key tiles (1: a plain loop)
     block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
     block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
     num_warps_linear: int = 4
@@ -1241,7 +1244,7 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
         pm, pl, pacc,
         hq, t, hq // hkv, kmax, chunk, split, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        D=d, BLOCK_K=cfg.block_k, FINAL=final, LANE=cfg.lane_corr,
+        D=d, BLOCK_K=cfg.block_k, FINAL=final, LANE=cfg.lane_corr, STAGES=cfg.num_stages_corr,
         num_warps=cfg.num_warps_corr,
     )
     if not final:
