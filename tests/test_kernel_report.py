@@ -114,3 +114,38 @@ def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
     """
     (n, mix), = _loops(sass)
     assert n == 6 and mix == {"HADD2": 1, "FFMA": 2, "BRA": 2, "ISETP": 1}
+
+
+def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
+    # scripts/ncu_summary.py on ncu's text layout (session 11's report): the kernel line opens a
+    # row; "Memory Throughput" appears twice (% of peak, then a rate whose unit varies); the
+    # stall metrics come from the command-line section.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from ncu_summary import parse
+    finally:
+        sys.path.pop(0)
+    text = """
+  _correction_kernel (64, 26, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: Command line profiler metrics
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio                    inst         1.93
+    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio            inst        14.91
+    Section: GPU Speed Of Light Throughput
+    Memory Throughput                 %        38.80
+    Duration                         ms         1.25
+    Compute (SM) Throughput           %        19.20
+    Section: Memory Workload Analysis
+    Memory Throughput                          Tbyte/s         1.87
+    Section: Scheduler Statistics
+    Issued Warp Per Scheduler                        0.23
+    No Eligible                            %        76.70
+  _read_bulk_kernel (4, 16, 103)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Duration                         us       137.90
+    Memory Throughput                          Gbyte/s       980.50
+"""
+    first, second = parse(text)
+    assert (first["kernel"], first["grid"]) == ("_correction_kernel", "64x26x1")
+    assert first["us"] == 1250.0 and first["mem%"] == 38.8 and first["GB/s"] == 1870.0
+    assert first["ipc/smsp"] == 0.23 and first["noelig%"] == 76.7
+    assert first["stalls"] == {"barrier": 1.93, "long_scoreboard": 14.91}
+    assert (second["kernel"], second["us"], second["GB/s"]) == ("_read_bulk_kernel", 137.9, 980.5)
