@@ -805,7 +805,7 @@ def _decode_bulk_kernel(
     to the compute dtype: per element and stream a nibble conversion and one FMA, the parameters
     applied per tile (K) or per token and group (V), V kept as per-row partials summed once per
     split. The attention of the exact reconstruction up to FP32 rounding (the compute-dtype
-    rounding of K/V is not applied)."""
+    rounding of K/V is not applied). HALF: the scores on K rebuilt in fp16 (_linear_scores)."""
     HD: tl.constexpr = D // 2
     NSPL: tl.constexpr = NSTORED + 1
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -982,7 +982,10 @@ def _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale,
         q . k = q24 . (min_0 / 2^24 + sum_s scale_s c_s) + sum_{present s >= 1} q . min_s:
     one FMA per element and stream into x (the base is present everywhere: its minimum is the
     addend of its FMA), one reduction over channels per tile, and per residual a bias q . min_s
-    once per tile, dropped by absent rows (whose codes load as 0)."""
+    once per tile, dropped by absent rows (whose codes load as 0). HALF (FAST_DECODE["half"]):
+    k = min_0 + sum_s scale_s c_s in fp16 instead (_code_values, one packed FMA per channel pair
+    and stream with the parameters as stored, rounded to fp16 per stream: 3 bits finer than a
+    bf16 K), then q . k in FP32; the residual minima stay the per-tile bias."""
     W: tl.constexpr = D // 8
     words = tl.arange(0, W)[None, :]
     pw = blk * (D // 2)  # the block's parameters

@@ -608,10 +608,11 @@ def _correction_kernel(
     D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, LANE: tl.constexpr = False,
     STAGES: tl.constexpr = 1,
 ):
-    """STAGES (KernelConfig.num_stages_corr): software-pipelined key tiles (cp.async gathers: the
-    index load one stage ahead of the K/V rows it addresses); 1: a plain loop. LANE: online softmax and accumulator per key lane ([BLOCK_K] maxima and sums, [BLOCK_K, D]
-    partial outputs), merged once at the end: no reduction across the key lanes per tile (the
-    per-tile max and sum over keys are cross-warp reductions); otherwise one running max per row."""
+    """STAGES (KernelConfig.num_stages_corr): software-pipelined key tiles (cp.async gathers, the
+    index load a stage ahead of the K/V rows it addresses); 1: a plain loop. LANE: online softmax
+    and accumulator per key lane ([BLOCK_K] maxima and sums, [BLOCK_K, D] partial outputs), merged
+    once at the end: no reduction across the key lanes per tile (the per-tile max and sum over keys
+    are cross-warp reductions); otherwise one running max per row."""
     row = tl.program_id(0)
     pid_s = tl.program_id(1)
     scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
