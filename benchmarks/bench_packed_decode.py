@@ -217,7 +217,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # the bulk read of a correction's selected keys (ncu, session 11: 17.8% occupancy at 154
     # registers, waiting on memory) at more warps or smaller tiles
     *[(f"correction read then correct read {tag}", {"correction": "read", "read_config": cfg})
-      for tag, cfg in (("w8", {"num_warps": 8}), ("bp16", {"block_p": 16}), ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
+      for tag, cfg in (("w8", {"num_warps": 8}), ("bp16", {"block_p": 16}), ("bp64 w8", {"block_p": 64, "num_warps": 8}),
+                       # PACKED_READ "loop" (opt-in, untimed): the bulk tiles in a pipelined loop
+                       ("loop", {"loop": True}), ("loop w8", {"loop": True, "num_warps": 8}),
+                       ("loop s3", {"loop": True, "loop_stages": 3}))],
 ]
 
 

@@ -220,6 +220,15 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
         run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
         run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
+
+        def looped():  # PACKED_READ "loop": the bulk tiles in a software-pipelined loop
+            saved = dict(K.PACKED_READ)
+            K.PACKED_READ.update(loop=True)
+            try:
+                K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True)
+            finally:
+                K.PACKED_READ.update(saved)
+        run("read B4 32K bulk loop", looped)
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
