@@ -199,11 +199,8 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
                         ("lane bk32", {"lane_corr": True, "block_k": 32}),
                         ("lane bk32 s16", {"lane_corr": True, "block_k": 32, "split_corr": 16}),
                         ("lane bk64 w8 s16", {"lane_corr": True, "block_k": 64, "num_warps_corr": 8, "split_corr": 16}),
-                        # software-pipelined gathers (num_stages_corr): ncu (session 11) has the kernel
-                        # waiting on memory (long scoreboard 14.9 cycles per instruction, no eligible
-                        # warp 77% of cycles); kernel_report: stages 2 94 registers / 35 KB, 20 warps
-                        # per SM; bk32 stages 2 64 registers, 32 warps per SM (untimed)
-                        ("stages2", {"num_stages_corr": 2}), ("stages3", {"num_stages_corr": 3}),
+                        # software-pipelined gathers (num_stages_corr, 2 by default since session 12)
+                        ("stages1", {"num_stages_corr": 1}), ("stages3", {"num_stages_corr": 3}),
                         ("bk32 stages2", {"block_k": 32, "num_stages_corr": 2}))],
     # the generic read's tile (PACKED_READ generic_split: bulk tile / split positions per program)
     *[(f"{what} read split{n}", {**kw, "read_config": {"generic_split": n}})
@@ -217,10 +214,7 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # the bulk read of a correction's selected keys (ncu, session 11: 17.8% occupancy at 154
     # registers, waiting on memory) at more warps or smaller tiles
     *[(f"correction read then correct read {tag}", {"correction": "read", "read_config": cfg})
-      for tag, cfg in (("w8", {"num_warps": 8}), ("bp16", {"block_p": 16}), ("bp64 w8", {"block_p": 64, "num_warps": 8}),
-                       # PACKED_READ "loop" (opt-in, untimed): the bulk tiles in a pipelined loop
-                       ("loop", {"loop": True}), ("loop w8", {"loop": True, "num_warps": 8}),
-                       ("loop s3", {"loop": True, "loop_stages": 3}))],
+      for tag, cfg in (("w8", {"num_warps": 8}), ("bp16", {"block_p": 16}), ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
 ]
 
 

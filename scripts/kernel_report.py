@@ -200,7 +200,7 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
             cfg = dataclasses.replace(SD.DEFAULT_CONFIG, lane_corr=True, block_k=bk, num_warps_corr=w)
             run(f"sparse correction lane bk{bk} w{w} B4 32K",
                 lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
-        for bk, st in ((64, 2), (32, 2)):  # software-pipelined gathers (KernelConfig.num_stages_corr)
+        for bk, st in ((64, 1), (32, 2)):  # the gathers not pipelined, and at 32-key tiles (num_stages_corr)
             cfg = dataclasses.replace(SD.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
             run(f"sparse correction bk{bk} stages{st} B4 32K",
                 lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
@@ -220,15 +220,6 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
         run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
         run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
-
-        def looped():  # PACKED_READ "loop": the bulk tiles in a software-pipelined loop
-            saved = dict(K.PACKED_READ)
-            K.PACKED_READ.update(loop=True)
-            try:
-                K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True)
-            finally:
-                K.PACKED_READ.update(saved)
-        run("read B4 32K bulk loop", looped)
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]

@@ -282,19 +282,16 @@ def _token_sparse_cache():
     return cache, g
 
 
-@pytest.mark.parametrize("mode", ["generic", "bulk", "fused", "loop"])
+@pytest.mark.parametrize("mode", ["generic", "bulk", "fused"])
 def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
     # sparse decode's reads: the whole history and per-head selected keys (with a padding entry),
     # with this step's tokens in flight (decode: one past the end; and, as a stress of the bulk
     # tiles, one below the flushed boundary, whose tile must not skip the overlay, with a padded
     # second token). "bulk": the two launches; "fused" (PACKED_READ, the default): the bulk kernel
     # reads every tile itself, the generic kernel is never launched (here: launching it does
-    # nothing, so a tile left to it stays NaN); "loop": the bulk tiles in a loop of one program
-    # per (batch, head) over every tile, the refused ones by the generic kernel
+    # nothing, so a tile left to it stays NaN)
     bulk = mode != "generic"
     monkeypatch.setitem(K.PACKED_READ, "fused", mode == "fused")
-    monkeypatch.setitem(K.PACKED_READ, "loop", mode == "loop")
-    monkeypatch.setitem(K.PACKED_READ, "loop_waves", 0.01)  # one program per (batch, head): every tile in its loop
     if mode == "fused":
         monkeypatch.setattr(K, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()

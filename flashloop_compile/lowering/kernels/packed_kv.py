@@ -629,12 +629,11 @@ def _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_la
 def _write_bulk_tile(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
                      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
                      rows, res_layout, out_k, out_v, pc, t, b, h, P, B, H, S, NB, CAPT,
-                     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, DEPTH: tl.constexpr,
-                     store_mask=None):
+                     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, DEPTH: tl.constexpr):
     """K/V rows of a bulk tile (positions pc [BP], int32, every one below the flushed boundaries)
     of row (b, h) into out_k/out_v at read slots t [BP]: K parameters as 32-bit pair words, V group
     parameters selected in registers, rows stored whole (even/odd halves interleaved in registers);
-    the arithmetic and order of _reconstruct. store_mask [BP]: the slots written (None: all)."""
+    the arithmetic and order of _reconstruct."""
     HD: tl.constexpr = D // 2
     bh = b * H + h
     kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]  # each position's block of K parameters
@@ -649,12 +648,8 @@ def _write_bulk_tile(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_bas
     o = ((bh * P + t) * D)[:, None] + tl.arange(0, D)[None, :]
     k_rows = tl.reshape(tl.join(_round_to(ke, CD), _round_to(ko, CD)), [BP, D]).to(ty)
     v_rows = tl.reshape(tl.join(_round_to(ve, CD), _round_to(vo, CD)), [BP, D]).to(ty)
-    if store_mask is None:
-        tl.store(out_k + o, k_rows)
-        tl.store(out_v + o, v_rows)
-    else:
-        tl.store(out_k + o, k_rows, mask=store_mask[:, None])
-        tl.store(out_v + o, v_rows, mask=store_mask[:, None])
+    tl.store(out_k + o, k_rows)
+    tl.store(out_v + o, v_rows)
 
 
 @triton.jit
@@ -700,36 +695,6 @@ def _read_bulk_kernel(
                        out_k, out_v, in_positions, k_in, v_in,
                        sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
                        P, Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP)
-
-
-@triton.jit
-def _read_bulk_loop_kernel(
-    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-    flushed, rows, res_layout, positions, out_k, out_v, lim,
-    sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R, NPROG,
-    D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
-    STAGES: tl.constexpr,
-):
-    """_read_bulk_kernel's tiles (PACKED_READ["loop"]), NPROG programs per (batch, head), each
-    taking tiles z, z + NPROG, ... in a software-pipelined loop: a tile's loads (its positions,
-    then the residual row maps they address, then the codes) are in flight while an earlier tile
-    is decoded, where _read_bulk_kernel waits for the three in turn with one tile per program
-    (ncu, session 11: long-scoreboard stalls, half the cycles without an eligible warp). No branch
-    in the loop, so that the loads can be pipelined: a tile the test refuses reads position 0 and
-    stores nothing (_read_kernel with SKIP_BULK reads it, as in the two-launch read). Same
-    arithmetic as _read_bulk_kernel: the same values."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    for tile in tl.range(tl.program_id(2), tl.cdiv(P, BP), NPROG, num_stages=STAGES):
-        t = tile * BP + tl.arange(0, BP)
-        tm = t < P
-        p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
-        ok = _bulk_read_tile(p, tm, flushed + b * R, lim + b, DEPTH, BP, RP)
-        _write_bulk_tile(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-                         rows, res_layout, out_k, out_v, tl.where(ok, p, 0).to(tl.int32), t, b, h, P, B, H, S, NB, CAPT,
-                         D, G, BP, CD, DEPTH, tm & ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1497,16 +1462,13 @@ PACKED_PREFILL = _with_overrides(
 # programs at B4 x 32K that almost all only tested their tile and exited, 2-3 resident per SM at the
 # generic kernel's registers. 4x32K sparse + quant step 34.18 -> 33.29 ms (same run); 1x32K 0.77x ->
 # 0.80x of dense (two runs). False: the two launches (bulk, then generic with SKIP_BULK).
-# "loop" (opt-in, untimed; takes precedence over "fused"): the bulk tiles in a software-pipelined
-# loop of "loop_stages" stages, about "loop_waves" x SMs programs in all (_read_bulk_loop_kernel),
-# the refused tiles by the generic kernel: ncu (session 11) has the one-tile-per-program bulk read
-# waiting on its three dependent loads with half the cycles idle. kernel_report (sm_90, depth 1 / 3):
-# every load a cp.async; stages 2: 96 / 151 registers, 42 / 85 KB of shared memory, 20 / 8 warps
-# per SM (stages 3: 85 / 169 KB, 8 / 4 warps: each position carries its K block's parameters).
+# A software-pipelined bulk read (its tiles in a tl.range loop over about 4 x SMs programs, every
+# load a cp.async, no branch) was tried in session 12 and lost 17-50% per correction site (sweep:
+# B1/B4 x depth 1/3, 76 -> 92 ... 246 -> 289 us; 96 / 151 registers, 42 / 85 KB of shared memory
+# at depth 1 / 3): removed. RESULTS.md, session 12.
 # FLASHLOOP_PACKED_READ (JSON) overrides.
 PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
-                               "fused": True, "fused_maxnreg": None, "loop": False, "loop_stages": 2,
-                               "loop_waves": 4}, "FLASHLOOP_PACKED_READ")
+                               "fused": True, "fused_maxnreg": None}, "FLASHLOOP_PACKED_READ")
 
 # packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
 # reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
@@ -1633,25 +1595,10 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     bpg = max(1, bp // split)
     if bp % bpg:
         raise ValueError(f"PACKED_READ generic_split {split} must divide the read tile {bp}")
-    # loop (opt-in): the bulk tiles in a software-pipelined loop (_read_bulk_loop_kernel), the
-    # refused ones by the generic kernel; fused: the bulk kernel reads the tiles its test refuses
-    # as well (one launch; see _read_bulk_kernel)
-    loop = bulk and not skip_bulk and bool(PACKED_READ["loop"])
-    fused = bulk and not skip_bulk and bool(PACKED_READ["fused"]) and not loop
+    # fused: the bulk kernel reads the tiles its test refuses as well (one launch; see _read_bulk_kernel)
+    fused = bulk and not skip_bulk and bool(PACKED_READ["fused"])
     generic_args = (k_tail, v_tail, depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1])
-    if loop:
-        ntiles = triton.cdiv(P, bp)
-        sms = sm_count(out_k.device) if out_k.device.type == "cuda" else 132
-        nprog = max(1, min(ntiles, int(float(PACKED_READ["loop_waves"]) * sms) // (Bc * H)))
-        wrap(_read_bulk_loop_kernel)[(Bc, H, nprog)](
-            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-            flushed, rows, res_layout, positions, out_k, out_v, lim,
-            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R, nprog,
-            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, STAGES=int(PACKED_READ["loop_stages"]),
-            num_warps=PACKED_READ["num_warps"],
-        )
-    elif bulk and not skip_bulk:
+    if bulk and not skip_bulk:
         wrap(_read_bulk_kernel)[grid](
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,

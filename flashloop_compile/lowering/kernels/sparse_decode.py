@@ -841,7 +841,10 @@ class KernelConfig:
     num_warps_compact: int = 4
     num_warps_corr: int = 4
     lane_corr: bool = False  # correction kernel: online softmax per key lane (_correction_kernel's LANE)
-    num_stages_corr: int = 1  # correction kernel: software-pipelined key tiles (1: a plain loop)
+    # correction kernel: software-pipelined key tiles (1: a plain loop). 2 (session 12): cp.async
+    # gathers, the index load a stage ahead; per correction site (read + correct) 6-14% faster at
+    # B1/B4 x 32K x depth 1/3 than 1, and than 3 or 32-key tiles (benchmarks/RESULTS.md)
+    num_stages_corr: int = 2
     block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
     block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
     num_warps_linear: int = 4
