@@ -162,11 +162,6 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     *[(f"fast linear bn32 w4 s3 x{wv}{' half' if half else ''}",
        {"tuning": {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": wv, "linear": True, "half": half}})
       for wv, half in ((4, True), (3, False), (6, False), (3, True), (6, True))],
-    # ... capped at 128 registers (4 programs per SM: 13 spill ops at depth 0, none at depth 1)
-    *[(f"fast linear bn32 w4 s3 x{wv} half r128",
-       {"tuning": {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": wv, "linear": True, "half": True,
-                   "maxnreg": 128}})
-      for wv in (4, 8)],
     # the tensor-core kernel (FAST_DECODE "mma", opt-in, untimed): sm_90 compile 140 registers at
     # bn32 depth 1 (12 warps/SM), 255 with 3 spill ops at depth 3
     *[(f"fast mma bn{bn} w{w} s{st} x4", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "mma": True}})
@@ -190,10 +185,7 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("reference linear", {"reference": "linear"}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
       for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
-                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}),
-                        # the PV kernel capped at 128 registers: 4 programs per SM instead of 3, no
-                        # spills (kernel_report, depth 1 and 3)
-                        ("pv r128", {"maxnreg_pv_linear": 128}))],
+                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
     # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
     # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window

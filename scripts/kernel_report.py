@@ -212,11 +212,6 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
         run("sparse linear reference B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
-        for cap in (128,):  # KernelConfig.maxnreg_pv_linear: 4 programs of 4 warps per SM
-            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, maxnreg_pv_linear=cap)
-            run(f"sparse linear reference pv r{cap} B4 32K",
-                lambda cfg=cfg: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                              config=cfg))
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear))
     if only in (None, "read"):

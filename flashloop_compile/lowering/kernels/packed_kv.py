@@ -1425,7 +1425,8 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # with half) and ~70% issue-busy: 4 waves of programs left a partial last round. Same-run sweep,
 # B1/B4 x depth 0/1: 91.2/238.4/136.1/396.5 us -> 90.1/216.0/130.7/371.3 (half alone or 3 waves
 # alone: faster at 1 of the 4 points). The 4x32K sparse + quant step: 32.78 -> 32.72 ms (same run:
-# the loop-1 decode it runs is a small share); benchmarks/RESULTS.md, session 11.
+# the loop-1 decode it runs is a small share); benchmarks/RESULTS.md, session 11. Session 12:
+# "maxnreg": 128 (4 programs per SM; 13 spill ops at depth 0) with 4 or 8 waves lost 0-10%.
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "maxnreg": None, "linear": True,

@@ -850,9 +850,8 @@ class KernelConfig:
     num_warps_linear: int = 4
     num_stages_linear: int = 3
     waves_linear: int = 4  # linear kernels: splits of S for about this many programs per SM (with split_kv None)
-    # the linear PV kernel's register cap per thread (None: Triton's choice, 168 at depth 1: 3 programs
-    # per SM; 128: 4, no spills at depth 1 or 3 in kernel_report; the scores kernel spills at 168)
-    maxnreg_pv_linear: int | None = None
+    # (session 12: the PV kernel capped at 128 registers, 4 programs per SM instead of 3 and no spills,
+    # was 0.3-0.8% faster at depth 1, the reference's depth, and 1-3% at depth 3: not kept)
     block_k_linear: int = 16  # selected keys per tile of the code-domain correction (opt-in)
 
 
@@ -901,12 +900,6 @@ class _Launcher:
 
     def __call__(self, kernel, grid):
         return (wrap_triton if self.wrap else no_wrap)(kernel)[grid]
-
-
-def _maxnreg(n: int | None) -> dict:
-    """Launch keyword capping registers per thread (more resident programs, at the risk of spills:
-    scripts/kernel_report.py counts them); none when ``n`` is None."""
-    return {} if n is None else {"maxnreg": int(n)}
 
 
 def _cpu_semantics(device: torch.device) -> bool:
@@ -1142,7 +1135,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
             *v.stride(),
             chunk_c, *largs,
             D=d, GP=gp, BN=cfg.block_n_pv_linear, DEPTH=depth, STAGES=cfg.num_stages_linear,
-            num_warps=cfg.num_warps_linear, **_maxnreg(cfg.maxnreg_pv_linear),
+            num_warps=cfg.num_warps_linear,
         )
     else:
         launch(_pv_kernel, (b * hkv, split_c, e_chunks))(
