@@ -1424,8 +1424,8 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # ncu put the kernel at 2-3 resident programs per SM (211 registers at depth 1, 168 at depth 0 or
 # with half) and ~70% issue-busy: 4 waves of programs left a partial last round. Same-run sweep,
 # B1/B4 x depth 0/1: 91.2/238.4/136.1/396.5 us -> 90.1/216.0/130.7/371.3 (half alone or 3 waves
-# alone: faster at 1 of the 4 points). The 4x32K sparse + quant step: 32.78 -> 32.72 ms (same run:
-# the loop-1 decode it runs is a small share); benchmarks/RESULTS.md, session 11. Session 12:
+# alone: faster at 1 of the 4 points). Its 4x32K step A/B (32.78 vs 32.72 ms) ran one build twice
+# (the compile cache, see lowering_key.py): not measured in a step; benchmarks/RESULTS.md, session 11. Session 12:
 # "maxnreg": 128 (4 programs per SM; 13 spill ops at depth 0) with 4 or 8 waves lost 0-10%.
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
@@ -1461,8 +1461,9 @@ PACKED_PREFILL = _with_overrides(
 # "fused" (the default since session 10): the bulk kernel also reads the tiles it refuses
 # (_read_bulk_kernel GENERIC), so a read is one launch: a correction's generic launch was ~26K
 # programs at B4 x 32K that almost all only tested their tile and exited, 2-3 resident per SM at the
-# generic kernel's registers. 4x32K sparse + quant step 34.18 -> 33.29 ms (same run); 1x32K 0.77x ->
-# 0.80x of dense (two runs). False: the two launches (bulk, then generic with SKIP_BULK).
+# generic kernel's registers. 4x32K sparse + quant step 34.18 -> 33.29 ms (session 10; the second
+# run may have taken segments of the first from the compile cache, see lowering_key.py); 1x32K
+# 0.77x -> 0.80x of dense (two calls). False: the two launches (bulk, then generic with SKIP_BULK).
 # A software-pipelined bulk read (its tiles in a tl.range loop over about 4 x SMs programs, every
 # load a cp.async, no branch) was tried in session 12 and lost 17-50% per correction site (sweep:
 # B1/B4 x depth 1/3, 76 -> 92 ... 246 -> 289 us; 96 / 151 registers, 42 / 85 KB of shared memory

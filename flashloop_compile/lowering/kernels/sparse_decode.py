@@ -843,8 +843,8 @@ class KernelConfig:
     lane_corr: bool = False  # correction kernel: online softmax per key lane (_correction_kernel's LANE)
     # correction kernel: software-pipelined key tiles (1: a plain loop). 2 (session 12): cp.async
     # gathers, the index load a stage ahead; per correction site (read + correct) 5-14% faster at
-    # B1/B4 x 32K x depth 1/3 than 1, and than 3 or 32-key tiles; the 4x32K step 33.01 -> 32.67 ms
-    # (same call; benchmarks/RESULTS.md, session 12)
+    # B1/B4 x 32K x depth 1/3 than 1, and than 3 or 32-key tiles (benchmarks/RESULTS.md, session 12;
+    # its step A/B there ran one build twice: the compile cache, fixed since, lowering_key.py)
     num_stages_corr: int = 2
     block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
     block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
