@@ -45,6 +45,43 @@ def _positions(lengths):
     return pos
 
 
+# Where test_write_read_attention_match_aten runs each launch variant. Under the interpreter a
+# launch costs per program and operation (minutes for the whole scenario), so a variant runs at
+# the data points that exercise its code rather than at every point of the scenario. Every
+# variant still runs at every depth it ran at (the fast decode and bulk read kernels take the
+# depth as a constexpr) and in both dtypes (the compute-dtype code: _round_to, HALF, the ring's
+# dtype), against the ATen body with the same tolerance; writes and cache checks are unchanged.
+#
+# Prefill (f == 0 at depth 0, f == 1 at depth 3): the default tiles and the halves layout
+# (whole_rows False) at both. The tile-size variants (block_m 32 / 16, block_n_inflight 16) at
+# f == 1 only: stored keys (row 0: a flushed group and the ring, residuals to depth 3),
+# left-padded queries, in-flight keys in 7 tiles of 16 (padded tiles skipped) and, at block_m
+# 16, two query tiles. f == 0 (a fresh prompt: no stored key) runs the same code on more tiles.
+# num_warps is ignored by the interpreter.
+PREFILL_BOTH = [dict(mode="prefill"), dict(mode="prefill", tuning={"whole_rows": False})]
+PREFILL_TILES = [dict(mode="prefill", tuning={"block_m": 32, "block_n_inflight": 16, "num_warps": 4}),
+                 dict(mode="prefill", tuning={"whole_rows": True, "block_m": 16, "block_n_inflight": 16})]
+# One query row per kv head (f == 2: both rows active, 2 bulk tiles each (one split empty), the
+# ring wrapped in both; f == 3: row 0 just flushed a second group, 4 bulk tiles over uneven
+# splits, _flushed_min over depths whose boundaries differ mid-forward; row 1 padding). The fast
+# path's default launch and the generic path (fast False) at both. The other variants at f == 3
+# only: block_n 16 with the default splits, num_splits 2 with num_stages 1 (num_stages is ignored
+# by the interpreter) and the reconstructing kernel. What f == 2 adds for them is code checked
+# elsewhere here: the fast kernel's second row (row offsets) and the FAST tail program over a
+# wrapped ring by the default launch at f == 2, _bulk_k / _bulk_v of a second row by the reads.
+DECODE_BOTH = [dict(num_splits=3), dict(num_splits=3, fast=False)]
+DECODE_F3 = [dict(tuning={"block_n": 16}), dict(num_splits=2, tuning={"num_stages": 1}),
+             dict(num_splits=3, tuning={"linear": False})]
+# Reads (f == 1, after the prompt, and f == 4, at the end; every depth): the default read of the
+# whole history and the per-head read at both. The bulk read with 16-position tiles at f == 4
+# only, over the shifted run: there row 0's bulk is two blocks and row 1's one (f == 1: one block
+# each, the same values), and the run's tiles are of every kind the unshifted and f == 1 runs
+# had -- bulk tiles, padding, the ring (wrapped in row 1, token-sparse prompt tokens), a partial
+# last tile -- plus a bulk tile across a block boundary, a generic tile straddling the flushed
+# boundary, unwritten positions, and read slots that differ from the positions (the unshifted
+# run's are equal). The per-head bulk read at f == 4.
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_write_read_attention_match_aten(dtype):
     ca = PackedKVCache(1, R, 2, S, H, D, dtype=dtype)
@@ -53,21 +90,20 @@ def test_write_read_attention_match_aten(dtype):
     g = torch.Generator().manual_seed(7)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     forwards = scenario(H, D, R, dtype, seed=1)
+    last = len(forwards) - 1
     for f, fw in enumerate(forwards):
         for d in range(R):
             k, v, pos = batched_depth_call(fw, d, H, D, dtype, pad="left" if f == 1 else "right")
             P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
             write_kernel(ck, 0, k, v, pos, d)
             assert_same_cache(ca, ck, f"forward {f} depth {d}")
-            if (f < 2 and d == 3 * f) or (f == len(forwards) - 1 and d in (0, 2, 3)):
+            if (f < 2 and d == 3 * f) or (f == last and d in (0, 2, 3)):
                 # attention mid-forward: decode mode (split-K) and, for the prompt chunk, prefill mode
                 ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
                 q = torch.randn(pos.shape[0], 2 * H, pos.shape[1], D, generator=g).to(dtype)
                 ref = P.packed_attention_aten(q, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
-                prefill = [dict(mode="prefill"), dict(mode="prefill", tuning={"block_m": 32, "block_n_inflight": 16, "num_warps": 4}),
-                           dict(mode="prefill", tuning={"whole_rows": False}),
-                           dict(mode="prefill", tuning={"whole_rows": True, "block_m": 16, "block_n_inflight": 16})]
-                for kw in prefill if f < 2 else [dict(num_splits=1 + d)]:
+                variants = [dict(num_splits=1 + d)] if f >= 2 else PREFILL_BOTH + (PREFILL_TILES if f == 1 else [])
+                for kw in variants:
                     out = attention_kernel(ck, 0, q, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
             if f >= 2 and pos.shape[1] == 1 and d in (0, 2, 3):
@@ -76,35 +112,34 @@ def test_write_read_attention_match_aten(dtype):
                 ki, vi, ipos = batched_inflight(fw, d, H, D, dtype)
                 q1 = torch.randn(pos.shape[0], H, 1, D, generator=g).to(dtype)
                 ref1 = P.packed_attention_aten(q1, ki, vi, pos, ipos, d, *ca.op_tensors(0), 0.125)
-                variants = (dict(num_splits=3), dict(num_splits=3, fast=False), dict(tuning={"block_n": 16}),
-                            dict(num_splits=2, tuning={"num_stages": 1}), dict(num_splits=3, tuning={"linear": False}))
-                for kw in variants:
+                for kw in DECODE_BOTH + (DECODE_F3 if f == 3 else []):
                     out = attention_kernel(ck, 0, q1, ki, vi, pos, ipos, d, 0.125, **kw)
                     torch.testing.assert_close(out.float(), ref1.float(), atol=tol, rtol=tol)
         for b, rf in enumerate(fw):
             if rf is not None:
                 lengths[b] = rf.start + rf.n
-        if f in (1, len(forwards) - 1):
+        if f in (1, last):
             pos = _positions(lengths)
             for d in range(R):
                 ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d, *P.no_inflight(ca, pos.shape[0], pos.device))
                 kk, vk = read_kernel(ck, 0, pos, d)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d)
-                # the bulk read (runs of consecutive positions below the flushed boundaries; the
-                # ragged rows' padding, the ring and a shifted run go to the generic kernel)
-                for shift in (0, 5):
-                    run = torch.where(pos >= 0, pos + shift, pos)
+                if f == last:
+                    # the bulk read (runs of consecutive positions below the flushed boundaries; the
+                    # ragged rows' padding, the ring and the run's end go to the generic kernel)
+                    run = torch.where(pos >= 0, pos + 5, pos)
                     ka, va = P.packed_read_aten(*ca.op_tensors(0), run, d, *P.no_inflight(ca, run.shape[0], run.device))
                     kk, vk = read_kernel(ck, 0, run, d, bulk=True, block_p=16)
-                    assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "bulk", shift)
+                    assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "bulk", 5)
                 # per-head positions (sparse decode's selected keys): out of order, repeated,
                 # unwritten and -1 entries; each head equals the shared read of its positions
                 sel = torch.randint(-1, max(lengths) + 3, (pos.shape[0], H, 37), generator=g)
                 ka, va = P.packed_read_aten(*ca.op_tensors(0), sel, d, *P.no_inflight(ca, sel.shape[0], sel.device))
                 kk, vk = read_kernel(ck, 0, sel, d)
                 assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head")
-                kk, vk = read_kernel(ck, 0, sel, d, bulk=True, block_p=16)
-                assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head, bulk")
+                if f == last:
+                    kk, vk = read_kernel(ck, 0, sel, d, bulk=True, block_p=16)
+                    assert torch.equal(ka, kk) and torch.equal(va, vk), (f, d, "per head, bulk")
                 for h in range(H):
                     ks, vs = P.packed_read_aten(*ca.op_tensors(0), sel[:, h].contiguous(), d, *P.no_inflight(ca, sel.shape[0], sel.device))
                     assert torch.equal(ka[:, h], ks[:, h]) and torch.equal(va[:, h], vs[:, h]), (f, d, h)
