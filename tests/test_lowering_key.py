@@ -66,6 +66,7 @@ def test_a_changed_launch_table_is_compiled_again_not_taken_from_the_cache(fresh
     ("PACKED_PREFILL", "block_m", 32), ("PACKED_WRITE", "chunks", 3),
 ])
 def test_the_key_follows_every_launch_table(monkeypatch, table, entry, value):
+    assert len(K.LAUNCH_TABLES) == 5 and any(t is getattr(K, table) for t in K.LAUNCH_TABLES.values())
     before = lowering_key()
     assert lowering_key() == before
     monkeypatch.setitem(getattr(K, table), entry, value)

@@ -43,18 +43,14 @@ def _source_digest() -> str:
 
 
 def launch_tables() -> dict[str, Any]:
-    """The launch tables as the ops' bodies would read them now (overrides and patches included)."""
+    """The launch tables as the ops' bodies would read them now (overrides and patches included):
+    every table packed_kv registered, by its environment variable, and the sparse decode config."""
     from flashloop_compile.lowering.kernels import packed_kv as K
     from flashloop_compile.lowering.kernels import sparse_decode as sd
 
-    return {
-        "FAST_DECODE": dict(K.FAST_DECODE),
-        "PACKED_READ": dict(K.PACKED_READ),
-        "PACKED_REFERENCE": dict(K.PACKED_REFERENCE),
-        "PACKED_PREFILL": dict(K.PACKED_PREFILL),
-        "PACKED_WRITE": dict(K.PACKED_WRITE),
-        "sparse_decode.DEFAULT_CONFIG": dataclasses.asdict(sd.DEFAULT_CONFIG),
-    }
+    tables: dict[str, Any] = {env: dict(table) for env, table in K.LAUNCH_TABLES.items()}
+    tables["sparse_decode.DEFAULT_CONFIG"] = dataclasses.asdict(sd.DEFAULT_CONFIG)
+    return tables
 
 
 def lowering_key() -> str:

@@ -1393,6 +1393,11 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 128))
 
 
+# Every launch table below, by its environment variable: lowering_key.py hashes them all into the
+# compile caches' key (a table is changed in place, never replaced).
+LAUNCH_TABLES: dict[str, dict] = {}
+
+
 def _with_overrides(defaults: dict, env: str) -> dict:
     """``defaults`` updated from the JSON object in environment variable ``env`` (a run's launch
     parameters without editing the defaults); a key the defaults do not have is an error, so a
@@ -1401,7 +1406,8 @@ def _with_overrides(defaults: dict, env: str) -> dict:
     unknown = sorted(set(over) - set(defaults))
     if unknown:
         raise ValueError(f"{env}: unknown launch parameters {unknown}; known: {sorted(defaults)}")
-    return {**defaults, **over}
+    LAUNCH_TABLES[env] = table = {**defaults, **over}
+    return table
 
 
 # Launch parameters of one-query-row decode (_decode_bulk_kernel for the flushed bulk, split
