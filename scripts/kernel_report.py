@@ -187,6 +187,9 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         SD._check_runnable = lambda device: None
         SD.sm_count = lambda device: 132
         SD._Launcher.__call__ = lambda self, kernel, grid: wrap(kernel)[grid]
+        from flashloop_compile.lowering.kernels import gluon_scores as GS
+
+        GS._run = lambda kernel, grid: wrap(kernel)[grid]  # the tensor-core scores' launches (an opaque op)
         B, H, S, D = 4, 16, 32768, 128
         q = torch.empty(B, H, 1, D, dtype=torch.bfloat16)
         k = torch.empty(B, H, S, D, dtype=torch.bfloat16)
@@ -212,6 +215,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
         run("sparse linear reference B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
+        tl_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False)
+        run("sparse linear reference tl scores B4 32K",
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
+                                                  config=tl_scores))
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear))
     if only in (None, "read"):

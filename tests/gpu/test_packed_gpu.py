@@ -243,6 +243,52 @@ def test_torch_compile_fullgraph(fast_decode, monkeypatch):
     _assert_same(ce, cc, "compiled decode step")
 
 
+def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
+    # gluon_scores (the code-domain reference scores on tensor cores, session 13) against
+    # _scores_linear_kernel on the same packed history: 4 x 8K ragged, token-sparse residuals,
+    # the window (ring, in-flight token) included; q' in fp16 moves scores by ~1e-3, so outputs
+    # agree within the bf16 tolerance, counts exactly, and almost all selected keys
+    import dataclasses
+
+    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import sparse_decode as SD
+
+    torch._dynamo.reset()
+    B, S = 4, 8192
+    g = torch.Generator().manual_seed(12)
+    c = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    lengths = [5000, 3001, 64, 4097]
+    for d, (k, v, pos, *_rest) in enumerate(_forward_calls(lengths, [0] * B, g, True)):
+        P.packed_kv_write(c, 0, k, v, pos, d)
+    step = _forward_calls([1] * B, lengths, g, False)[1]
+    ip = step[5]
+    q = torch.randn(B, H, 1, D, device="cuda").to(DT)
+    mask = (torch.arange(S, device="cuda")[None, :] <= ip)[:, None, None, :]
+    args = (q, ip, step[3], step[4], 1, *c.op_tensors(0), mask, D**-0.5, [0.1], [-(-S // 10)])
+    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False))
+    tl_out = torch.ops.flashloop.packed_reference_attention(*args)
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True))
+    from flashloop_compile.lowering.kernels import gluon_scores
+
+    assert gluon_scores.fits(q, D, c.group_size, SD.DEFAULT_CONFIG.block_n_linear, 1)
+    mma_out = torch.ops.flashloop.packed_reference_attention(*args)
+    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
+                             fullgraph=True)(*args)
+    ref = P.packed_reference_attention_aten(*args)
+    for name, x, y, z, r in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), mma_out, tl_out, compiled, ref):
+        if x.is_floating_point():
+            for other in (y, z, r):
+                torch.testing.assert_close(x.float(), other.float(), atol=1e-2, rtol=1e-2, msg=name)
+    assert torch.equal(mma_out[2], tl_out[2]) and torch.equal(mma_out[2], compiled[2])  # counts
+    assert not torch.equal(mma_out[3], tl_out[3])  # the masses carry q''s fp16 rounding: the MMA path ran
+    for other in (tl_out, compiled):
+        ka, kb = mma_out[1][0], other[1][0]
+        same = ((ka.unsqueeze(-1) == kb.unsqueeze(-2)).any(-1) & (ka >= 0)).sum()
+        assert same >= 0.95 * (kb >= 0).sum(), (int(same), int((kb >= 0).sum()))
+
+
 @pytest.mark.parametrize("mode", ["read", "fused", "linear"], ids=["read_then_reference", "fused", "linear"])
 def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode, monkeypatch):
     # sparse decode's loop-2 reference under quantization at 4 x 8K (ragged, token-sparse

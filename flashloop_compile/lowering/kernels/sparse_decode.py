@@ -854,6 +854,9 @@ class KernelConfig:
     # (session 12: the PV kernel capped at 128 registers, 4 programs per SM instead of 3 and no spills,
     # was 0.3-0.8% faster at depth 1, the reference's depth, and 1-3% at depth 3: not kept)
     block_k_linear: int = 16  # selected keys per tile of the code-domain correction (opt-in)
+    # the code-domain reference scores on fp16 tensor cores (gluon_scores.py; CUDA sm_80+, head_dim
+    # 128, K blocks of 64 keys, block_n_linear 64) instead of _scores_linear_kernel (session 13)
+    scores_mma: bool = True
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -1060,15 +1063,26 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
                              f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
                              f"{tuple(q.shape)}, {hkv} kv heads, {len(fractions)} fractions, group {gp}")
         nw = k.shape[2]
-        launch(_scores_linear_kernel, (b * hkv, split_a))(
-            q, k, mask_full, probs, part_m, part_l, lo,
-            s, hkv, float(scale), nw,
-            q.stride(0), q.stride(1), q.stride(3), *k.stride(),
-            mask_full.stride(0), mask_full.stride(1), mask_full.stride(3),
-            chunk_a, split_a, *largs,
-            D=d, GP=gp, BN=bnl, DEPTH=depth, STAGES=cfg.num_stages_linear,
-            num_warps=cfg.num_warps_linear,
-        )
+        from flashloop_compile.lowering.kernels import gluon_scores
+
+        if cfg.scores_mma and not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth):
+            # the code-domain scores on tensor cores (Gluon; an opaque op: wrap_triton analyses tl kernels)
+            (k_base, k_base_min, k_base_scale, _vb, _vbm, _vbs, k_res, k_res_min, k_res_scale,
+             _vr, _vrm, _vrs, rows_map, res_layout, *_geo) = largs
+            torch.ops.flashloop.mma_linear_scores(
+                q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(), mask_full,
+                probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min, k_res_scale,
+                rows_map, res_layout, float(scale), chunk_a, split_a, depth)
+        else:
+            launch(_scores_linear_kernel, (b * hkv, split_a))(
+                q, k, mask_full, probs, part_m, part_l, lo,
+                s, hkv, float(scale), nw,
+                q.stride(0), q.stride(1), q.stride(3), *k.stride(),
+                mask_full.stride(0), mask_full.stride(1), mask_full.stride(3),
+                chunk_a, split_a, *largs,
+                D=d, GP=gp, BN=bnl, DEPTH=depth, STAGES=cfg.num_stages_linear,
+                num_warps=cfg.num_warps_linear,
+            )
     else:
         pargs, pkw = _packed_args(k, packed)
         launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
