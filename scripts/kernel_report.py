@@ -215,10 +215,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
         run("sparse linear reference B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
-        tl_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False)
-        run("sparse linear reference tl scores B4 32K",
+        mma_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True)  # gluon_scores.py (opt-in)
+        run("sparse linear reference mma scores B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=tl_scores))
+                                                  config=mma_scores))
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear))
     if only in (None, "read"):

@@ -104,3 +104,39 @@ def test_the_tensor_core_scores_apply_at_ouro_shapes_only():
     assert GS.fits(q, 128, 64, 64, 1) and GS.fits(q, 128, 64, 64, 3)
     assert not GS.fits(q, 64, 64, 64, 1) and not GS.fits(q, 128, 32, 64, 1) and not GS.fits(q, 128, 64, 32, 1)
     assert not GS.fits(q, 128, 64, 64, 0)  # no residual stream: the kernel's DEPTH >= 1
+
+
+def test_the_op_is_registered_when_the_package_is_imported():
+    # Inductor's generated code calls torch.ops.flashloop.mma_linear_scores by name; loaded from
+    # the compile cache in a fresh process it runs before reference_attention's body, which
+    # imports the module, is ever traced (session 13, call 6: "'_OpNamespace' 'flashloop' object
+    # has no attribute 'mma_linear_scores'")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", "import torch, flashloop_compile; "
+                          "print(torch.ops.flashloop.mma_linear_scores.default)"], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "mma_linear_scores" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_op_level_benchmark_checks_against_fp64_scores():
+    # benchmarks/bench_mma_scores.py: its inputs (the cache's layout) and FP64 reference, through
+    # the tl kernel it times the tensor-core one against (interpreted here; the latter needs CUDA)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_mma_scores as B
+    finally:
+        sys.path.pop(0)
+    t = B.make_inputs(2, 2, 256, "cpu")  # batch row 1 shorter than the history: masked keys
+    fn, probs, pm, pl = B.launch("tl", t, 0.088, 2)
+    fn()
+    ref = B.reference_scores(t, 0.088)
+    fin = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(probs), fin) and fin.any() and not fin.all()
+    assert (probs.double() - ref)[fin].abs().max() < 1e-4
+    lse = torch.logsumexp((pm + torch.log(pl)).double(), 1)
+    torch.testing.assert_close(lse, torch.logsumexp(ref, 1), atol=1e-4, rtol=0)

@@ -84,17 +84,17 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
-    scores = rows["sparse linear reference tl scores B4 32K [_scores_linear_kernel]"]
+    scores = rows["sparse linear reference B4 32K [_scores_linear_kernel]"]
     pv = rows["sparse linear reference B4 32K [_pv_linear_kernel]"]
     for r in (scores, pv):
         assert r["spill_ops"] == 0 and r["warps_per_sm"] >= 8, r
     assert pv["loads"].get("LDG.E.U16", 0) == 0, pv["loads"]
     assert pv["loads"].get("LDGSTS.E.BYPASS.128", 0) > 0  # the codes by cp.async
-    # session 13: the default scores on tensor cores (gluon_scores.py): one MMA per 16 channels,
-    # stream and 16 keys (2 streams at depth 1: 16 per warp and 64-key tile), a key's 16 code bytes
-    # per thread in one load, a third of the tl kernel's instructions per tile
-    mma = rows["sparse linear reference B4 32K [_mma_scores_kernel]"]
-    assert "sparse linear reference B4 32K [_scores_linear_kernel]" not in rows
+    # session 13: the scores on tensor cores (gluon_scores.py, KernelConfig.scores_mma): one MMA per
+    # 16 channels, stream and 16 keys (2 streams at depth 1: 16 per warp and 64-key tile), a key's
+    # 16 code bytes per thread in one load, a third of the tl kernel's instructions per tile
+    mma = rows["sparse linear reference mma scores B4 32K [_mma_scores_kernel]"]
+    assert "sparse linear reference mma scores B4 32K [_scores_linear_kernel]" not in rows
     # (one value stored before the key loops and loaded after them: 2 local-memory ops, none in a loop)
     assert mma["spill_ops"] <= 2 and mma["mma"] == 16 and mma["loads"].get("LDG.E.128", 0) >= 4, mma
     # the report's loop is the largest: the window's BF16 loop (a few tiles per row, 374), the

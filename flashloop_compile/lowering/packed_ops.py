@@ -48,6 +48,9 @@ import math
 import torch
 from torch import Tensor
 
+from flashloop_compile.lowering.kernels import gluon_scores as _gluon_scores  # noqa: F401  (registers
+# flashloop::mma_linear_scores with the other ops: Inductor's cached code calls it by name, in a
+# process that never traced reference_attention's body, which imports it otherwise; session 13)
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
