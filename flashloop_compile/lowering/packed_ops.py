@@ -48,9 +48,6 @@ import math
 import torch
 from torch import Tensor
 
-from flashloop_compile.lowering.kernels import gluon_scores as _gluon_scores  # noqa: F401  (registers
-# flashloop::mma_linear_scores with the other ops: Inductor's cached code calls it by name, in a
-# process that never traced reference_attention's body, which imports it otherwise; session 13)
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
@@ -510,6 +507,27 @@ def _packed_reference_attention(
     if fused:
         packed = (cache, depth, K.first_inflight(inflight_positions, S))
     return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
+
+
+@torch.library.custom_op(f"{LIB}::mma_linear_scores", mutates_args=("probs", "part_m", "part_l"))
+def _mma_linear_scores(q: T_, k: T_, mask: T_, probs: T_, part_m: T_, part_l: T_, lo: T_,
+                       k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
+                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
+    """The code-domain reference scores on tensor cores (kernels/gluon_scores.py, a Gluon kernel:
+    opaque to Inductor, whose wrap_triton analyses tl kernels only), launched by
+    sparse_decode.reference_attention_triton: fills probs [B * Hkv, S] and the split partials
+    part_m / part_l [B * Hkv, split] as _scores_linear_kernel does. Registered here with the other
+    ops, on import: Inductor's cached code calls it by name, in a process that may never have traced
+    the reference's body (session 13)."""
+    from flashloop_compile.lowering.kernels.gluon_scores import launch_scores
+
+    launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
+                  k_res_scale, rows, res_layout, scale, chunk, split, depth)
+
+
+@_mma_linear_scores.register_fake
+def _(*args):
+    return None
 
 
 # Opaque twins with the ATen bodies: what a CPU trace (torch.compile on CPU) records.

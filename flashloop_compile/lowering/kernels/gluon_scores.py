@@ -18,15 +18,17 @@ q . k is an fp16 MMA (m16n8k16) computing scores^T [keys, 8] = codes [keys, D] x
 * each thread gets its keys' scores from the accumulator (the 8 columns are equal) without a
   reduction over query rows.
 
-Per key tile (64 keys, depth 1) the loop is about 300 SASS instructions against the tl kernel's 976
-(``tests/test_gluon_scores.py``); the H200 numbers are in benchmarks/RESULTS.md (session 13). q'
+Per key tile (64 keys, depth 1) the loop is about 300 SASS instructions against the tl kernel's 980
+(``scripts/kernel_report.py --only sparse``, checked in tests/test_kernel_report.py); the H200 numbers are in benchmarks/RESULTS.md (session 13). q'
 is rounded to fp16 (11 bits) where the tl kernel keeps q in FP32: scores differ by about 1e-3 at
 scores of a few units, inside the bf16 tolerance; the selection may reorder near-ties.
 
 Gluon does not run under the Triton interpreter: on CPU tensors the tl kernel runs (``fits``), and
 the arithmetic of this one is checked there by an emulation (``emulate_scores``) and its compile
-for sm_90. The launch is an opaque custom op (``flashloop::mma_linear_scores``): Inductor's
-user-defined Triton kernel support (``wrap_triton``) analyses ``tl`` kernels, not Gluon ones.
+for sm_90. The launch is an opaque custom op (``flashloop::mma_linear_scores``, packed_ops.py):
+Inductor's user-defined Triton kernel support (``wrap_triton``) analyses ``tl`` kernels, not Gluon
+ones. Opt-in (``KernelConfig.scores_mma``): 1.9x per site, but no gain in the timed decode step yet
+(benchmarks/RESULTS.md, session 13).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ if gluon is not None:
                 g = gl.load(res_layout + j) + gl.where(has, rj, 0)
                 acc = mma_v2(_codes_operand(_tile_bytes(kr, g, p, has)), _q_operand(a_row + j * ROWS * NB * D + blk * D),
                              acc)
-                has_k = gl.load(rows_j + nn) >= 0
+                has_k = gl.load(rows_j + nn) >= 0  # again in the accumulator's layout: an L1 hit, no conversion
                 bias += gl.where(has_k, gl.load(b_row + j * ROWS * NB + blk), 0.0)
             s = (gl.max(acc, 1) + bias) * scale
             s = gl.where(gl.load(m_base + nn.to(gl.int64) * sms) != 0, s, float("-inf"))
@@ -249,8 +251,13 @@ def _run(kernel, grid):
 
 def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
                   k_res_scale, rows, res_layout, scale: float, chunk: int, split: int, depth: int, run=None):
-    """mma_linear_scores' launches through ``run(kernel, grid)`` (default: the module's ``_run``,
-    ``kernel[grid]``; scripts/kernel_report.py replaces it to compile for sm_90 on CPU tensors)."""
+    """The body of ``flashloop::mma_linear_scores`` (registered in packed_ops.py): fills probs
+    [B * Hkv, S] (scaled scores, -inf where masked) and the split partials part_m / part_l
+    [B * Hkv, split] as _scores_linear_kernel does. k: packed_read's window buffer [B, Hkv, NW, D]
+    from lo[b] on (unit channel stride), mask [B, Hkv, 1, S] (any strides), q [B, Hkv, 1, D] (unit
+    channel stride), the cache tensors as packed_kv's. Launches through ``run(kernel, grid)``
+    (default: the module's ``_run``, ``kernel[grid]``; scripts/kernel_report.py replaces it to
+    compile for sm_90 on CPU tensors)."""
     run = run or _run
     bsz, hkv = q.shape[0], q.shape[1]
     cache_b, _, s, _ = k_base.shape  # [B, H, S, D/2]
@@ -268,24 +275,3 @@ def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_b
         mask.stride(0), mask.stride(1), mask.stride(3), chunk, split,
         k_base, k_res, rows, res_layout, cache_b, nb, capt, rows_n,
         DEPTH=depth, num_warps=WARPS)
-
-
-@torch.library.custom_op("flashloop::mma_linear_scores", mutates_args=("probs", "part_m", "part_l"))
-def mma_linear_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, probs: torch.Tensor,
-                      part_m: torch.Tensor, part_l: torch.Tensor, lo: torch.Tensor,
-                      k_base: torch.Tensor, k_base_min: torch.Tensor, k_base_scale: torch.Tensor,
-                      k_res: torch.Tensor, k_res_min: torch.Tensor, k_res_scale: torch.Tensor,
-                      rows: torch.Tensor, res_layout: torch.Tensor,
-                      scale: float, chunk: int, split: int, depth: int) -> None:
-    """Fills probs [B * Hkv, S] (scaled scores, -inf where masked) and the split partials
-    part_m / part_l [B * Hkv, split] as _scores_linear_kernel does (see the module docstring);
-    k: packed_read's window buffer [B, Hkv, NW, D] from lo[b] on, mask [B, Hkv, 1, S] (any
-    strides), q [B, Hkv, 1, D] with unit channel stride; the cache tensors as packed_kv's."""
-    launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
-                  k_res_scale, rows, res_layout, scale, chunk, split, depth)
-
-
-@mma_linear_scores.register_fake
-def _(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min, k_res_scale,
-      rows, res_layout, scale, chunk, split, depth):
-    return None

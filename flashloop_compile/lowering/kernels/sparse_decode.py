@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashloop_compile.lowering.kernels import gluon_scores
 from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import (
     _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
@@ -1067,8 +1068,6 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
                              f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
                              f"{tuple(q.shape)}, {hkv} kv heads, {len(fractions)} fractions, group {gp}")
         nw = k.shape[2]
-        from flashloop_compile.lowering.kernels import gluon_scores
-
         if cfg.scores_mma and not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth):
             # the code-domain scores on tensor cores (Gluon; an opaque op: wrap_triton analyses tl kernels)
             (k_base, k_base_min, k_base_scale, _vb, _vbm, _vbs, k_res, k_res_min, k_res_scale,
