@@ -27,7 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, error_text, device, sync, capture_graph, compile_variant, copy_bandwidth_gbs, graph_replay_ms, record  # noqa: E402
+from common import (  # noqa: E402
+    Deadline, GpuSampler, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text, graph_replay_ms,
+    record, sync,
+)
 
 CONFIGS = {
     "dense": {},
@@ -251,12 +254,25 @@ def main() -> None:
                 "trace_s": trace_s, "compile_s": compile_s, "report": str(report),
                 "max_memory_gb": (torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None),
             }
+            if torch.cuda.is_available():  # the GPU's clock and power over 30 more replays, and their time
+                try:
+                    with GpuSampler() as sampler:
+                        again = cuda_time_ms(replay, warmup=3, repeat=30)
+                    row["gpu_state"] = sampler.summary
+                    row["ms_sampled"] = again["median_ms"]
+                except Exception as e:  # (untried on the device when written) never at the timed row's cost
+                    row["gpu_state"] = {"error": error_text(e)}
             if args.profile > 0:  # after the timing and the row's measurements: they never see it
                 try:
                     row["profile"] = kernel_profile(replay, partial(fn, *inputs), args.profile, ms)
                 except Exception as e:  # a profiler failure must not cost the timed row
                     row["profile"] = {"error": error_text(e)}
             record("decode", row)
+            if (row.get("gpu_state") or {}).get("samples"):
+                g = row["gpu_state"]
+                print(f"  gpu {name} {shape}: {row['ms_sampled']:.3f} ms over 30 more replays; SM {g['sm_mhz_median']:.0f} MHz "
+                      f"(min {g['sm_mhz_min']:.0f}), {g['power_w_median']:.0f} W (max {g['power_w_max']:.0f}), "
+                      f"{g['temp_c_max']:.0f} C, clock-event reasons {g['event_reasons']}", flush=True)
             if "profile" in row:
                 print_profile(name, shape, row["profile"])
             del fn, out, replay

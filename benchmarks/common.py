@@ -107,6 +107,71 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     return 2 * (nbytes // 2) / (t * 1e-3) / 1e9
 
 
+GPU_QUERY = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+
+
+def parse_gpu_samples(text: str) -> dict[str, Any] | None:
+    """Summary of ``nvidia-smi --query-gpu=<GPU_QUERY> --format=csv,noheader,nounits`` lines (the
+    reasons field may be missing): SM clock median / min, power median / max, the hottest
+    temperature, and the OR of the active clock-event (throttle) reason masks."""
+    rows = []
+    for line in text.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            rows.append((float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16) if len(parts) > 3 else 0))
+        except (ValueError, IndexError):
+            continue  # a header, a partial line at termination, "[N/A]"
+    if not rows:
+        return None
+    clocks, power, temp, reasons = zip(*rows)
+    mask = 0
+    for r in reasons:
+        mask |= r
+    return {"samples": len(rows), "sm_mhz_median": statistics.median(clocks), "sm_mhz_min": min(clocks),
+            "power_w_median": statistics.median(power), "power_w_max": max(power), "temp_c_max": max(temp),
+            "event_reasons": hex(mask)}
+
+
+class GpuSampler:
+    """SM clock, power, temperature and clock-event reasons sampled by ``nvidia-smi`` every
+    ``period_ms`` while the block runs (``.summary``: :func:`parse_gpu_samples`, None without
+    nvidia-smi or CUDA). A power- or thermal-capped clock slows a loop of back-to-back graph
+    replays that a two-replay profile does not see (session 13's unexplained 4x32K step)."""
+
+    def __init__(self, period_ms: int = 50):
+        self.period_ms = period_ms
+        self.summary: dict[str, Any] | None = None
+        self._proc = None
+
+    def __enter__(self) -> "GpuSampler":
+        import shutil
+
+        if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+            return self
+        query = list(GPU_QUERY)
+        probe = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:  # an older driver: no clock-event reasons field
+            query = query[:3]
+        index = str(torch.cuda.current_device())
+        self._proc = subprocess.Popen(
+            ["nvidia-smi", "-i", index, f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits",
+             f"-lms={self.period_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        time.sleep(0.2)  # its first sample before the timed work
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            out, _ = self._proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.summary = parse_gpu_samples(out)
+
+
 def graph_replay_ms(fn: Callable[[], Any], repeat: int = 30) -> tuple[dict[str, float], Any, Callable[[], Any]]:
     """Capture ``fn`` in a CUDA graph (after warm-up on a side stream) and time its replays; also
     returns the graph's output and its replay (``fn`` itself on CPU), e.g. for a profile."""

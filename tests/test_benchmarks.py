@@ -155,3 +155,20 @@ def test_decode_bench_on_cpu_records_a_profile_of_the_step(tmp_path):
     assert {"packed_attn", "write", "GEMM"} <= set(buckets), buckets  # the flashloop ops by name
     assert 0 < len(prof["top"]) <= 15
     assert "profile sparse+quant 1x64 (cpu" in run.stdout
+
+
+def test_gpu_samples_summarize_clock_power_and_throttle_reasons():
+    # nvidia-smi's CSV while the decode step's replays run (session 13: the timed 4x32K step did not
+    # follow its kernels' device time; a capped clock would show here)
+    text = ("1980, 612.40, 61, 0x0000000000000000\n"
+            "1755, 699.80, 63, 0x0000000000000004\n"  # SW power cap
+            "1830, 688.00, 63, 0x0000000000000004\n"
+            "18")  # cut off at termination
+    g = common.parse_gpu_samples(text)
+    assert g == {"samples": 3, "sm_mhz_median": 1830.0, "sm_mhz_min": 1755.0, "power_w_median": 688.0,
+                 "power_w_max": 699.8, "temp_c_max": 63.0, "event_reasons": "0x4"}
+    assert common.parse_gpu_samples("1980, 612.40, 61\n")["event_reasons"] == "0x0"  # older drivers: no reasons
+    assert common.parse_gpu_samples("[N/A], [N/A], [N/A], [N/A]\n") is None
+    with common.GpuSampler() as s:  # without CUDA / nvidia-smi: nothing sampled, nothing raised
+        pass
+    assert s.summary is None

@@ -140,3 +140,19 @@ def test_the_op_level_benchmark_checks_against_fp64_scores():
     assert (probs.double() - ref)[fin].abs().max() < 1e-4
     lse = torch.logsumexp((pm + torch.log(pl)).double(), 1)
     torch.testing.assert_close(lse, torch.logsumexp(ref, 1), atol=1e-4, rtol=0)
+
+
+def test_the_kernel_config_takes_a_json_override_and_rejects_unknown_fields():
+    # FLASHLOOP_SPARSE_DECODE: a run's choices (the tensor-core scores for a step A/B) without
+    # editing the defaults; lowering_key.py hashes DEFAULT_CONFIG, so the override recompiles
+    import os
+    import subprocess
+    import sys
+
+    code = "from flashloop_compile.lowering.kernels import sparse_decode as S; print(S.DEFAULT_CONFIG.scores_mma)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FLASHLOOP_SPARSE_DECODE": '{"scores_mma": true}'})
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "FLASHLOOP_SPARSE_DECODE": '{"scores_mm": true}'})
+    assert run.returncode != 0 and "unknown KernelConfig fields ['scores_mm']" in run.stderr

@@ -53,6 +53,8 @@ the lower index, invisible keys after all visible ones (so never taken while ``f
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import torch
 import triton
@@ -864,7 +866,19 @@ class KernelConfig:
     scores_mma: bool = False
 
 
-DEFAULT_CONFIG = KernelConfig()
+def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
+    """KernelConfig() updated from the JSON object in environment variable ``env`` (a run's kernel
+    choices without editing the defaults, e.g. '{"scores_mma": true}'; the compile caches see it:
+    lowering_key.py hashes DEFAULT_CONFIG); a field KernelConfig does not have is an error."""
+    over = json.loads(os.environ.get(env, "{}"))
+    known = {f.name for f in dataclasses.fields(KernelConfig)}
+    unknown = sorted(set(over) - known)
+    if unknown:
+        raise ValueError(f"{env}: unknown KernelConfig fields {unknown}; known: {sorted(known)}")
+    return dataclasses.replace(KernelConfig(), **over)
+
+
+DEFAULT_CONFIG = _config_from_env()
 INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64,
                                   block_n_linear=16, block_n_pv_linear=16, block_k_linear=16,
                                   split_corr=1)  # the one-split correction (its FINAL path); tests' configs split
