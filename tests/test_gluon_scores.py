@@ -6,10 +6,14 @@ decoded keys, on the packed cache's layout (base, residuals per depth at their r
 kernel's layouts compile for sm_90 in tests/test_kernel_report.py; its numerics against the tl
 kernel on the H200 in tests/gpu/test_packed_gpu.py::test_mma_scores_match_the_tl_scores_kernel."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from flashloop_compile.lowering.kernels import gluon_scores as GS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 D, G = GS.HEAD_DIM, GS.GROUP
 
@@ -116,7 +120,7 @@ def test_the_op_is_registered_when_the_package_is_imported():
 
     run = subprocess.run([sys.executable, "-c", "import torch, flashloop_compile; "
                           "print(torch.ops.flashloop.mma_linear_scores.default)"], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, cwd=ROOT)
     assert run.returncode == 0 and "mma_linear_scores" in run.stdout, run.stderr[-2000:]
 
 
@@ -124,9 +128,8 @@ def test_the_op_level_benchmark_checks_against_fp64_scores():
     # benchmarks/bench_mma_scores.py: its inputs (the cache's layout) and FP64 reference, through
     # the tl kernel it times the tensor-core one against (interpreted here; the latter needs CUDA)
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_mma_scores as B
     finally:
@@ -150,9 +153,13 @@ def test_the_kernel_config_takes_a_json_override_and_rejects_unknown_fields():
     import sys
 
     code = "from flashloop_compile.lowering.kernels import sparse_decode as S; print(S.DEFAULT_CONFIG.scores_mma)"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "FLASHLOOP_SPARSE_DECODE": '{"scores_mma": true}'})
     assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr[-2000:]
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "FLASHLOOP_SPARSE_DECODE": '{"scores_mm": true}'})
-    assert run.returncode != 0 and "unknown KernelConfig fields ['scores_mm']" in run.stderr
+    for bad, message in (('{"scores_mm": true}', "unknown KernelConfig fields ['scores_mm']"),
+                         ('{"scores_mma": "yes"}', "scores_mma takes true/false, got 'yes'"),
+                         ('{"block_n": true}', "block_n takes an integer, got True"),
+                         ("scores_mma", "not JSON")):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env={**os.environ, "FLASHLOOP_SPARSE_DECODE": bad})
+        assert run.returncode != 0 and message in run.stderr, (bad, run.stderr[-500:])

@@ -870,12 +870,26 @@ def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
     """KernelConfig() updated from the JSON object in environment variable ``env`` (a run's kernel
     choices without editing the defaults, e.g. '{"scores_mma": true}'; the compile caches see it:
     lowering_key.py hashes DEFAULT_CONFIG); a field KernelConfig does not have is an error."""
-    over = json.loads(os.environ.get(env, "{}"))
+    text = os.environ.get(env, "{}")
+    try:
+        over = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{env}: not JSON ({e}); give an object such as '{{\"scores_mma\": true}}'") from None
+    if not isinstance(over, dict):
+        raise ValueError(f"{env}: give a JSON object of KernelConfig fields, not {text!r}")
+    defaults = KernelConfig()
     known = {f.name for f in dataclasses.fields(KernelConfig)}
     unknown = sorted(set(over) - known)
     if unknown:
         raise ValueError(f"{env}: unknown KernelConfig fields {unknown}; known: {sorted(known)}")
-    return dataclasses.replace(KernelConfig(), **over)
+    nullable = {f.name for f in dataclasses.fields(KernelConfig) if "None" in str(f.type)}
+    for name, value in over.items():
+        want = bool if isinstance(getattr(defaults, name), bool) else int  # every field: bool, int or None
+        if not (isinstance(value, want) and (want is bool or not isinstance(value, bool))) and not (
+                name in nullable and value is None):
+            raise ValueError(f"{env}: {name} takes {'true/false' if want is bool else 'an integer'}"
+                             f"{' or null' if name in nullable else ''}, got {value!r}")
+    return dataclasses.replace(defaults, **over)
 
 
 DEFAULT_CONFIG = _config_from_env()
