@@ -243,6 +243,31 @@ def test_torch_compile_fullgraph(fast_decode, monkeypatch):
     _assert_same(ce, cc, "compiled decode step")
 
 
+def _reference_case(seed):
+    """The loop-2 reference's inputs under quantization at 4 x 8K: a ragged batch written at
+    depths 0..R-1 with token-sparse residuals, depth 1's in-flight decode token, fraction 0.1:
+    (cache, packed_reference_attention's arguments)."""
+    B, S = 4, 8192
+    g = torch.Generator().manual_seed(seed)
+    c = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
+    lengths = [5000, 3001, 64, 4097]
+    for d, (k, v, pos, *_rest) in enumerate(_forward_calls(lengths, [0] * B, g, True)):
+        P.packed_kv_write(c, 0, k, v, pos, d)
+    step = _forward_calls([1] * B, lengths, g, False)[1]  # depth 1's in-flight token
+    ip = step[5]
+    q = torch.randn(B, H, 1, D, device="cuda").to(DT)
+    mask = (torch.arange(S, device="cuda")[None, :] <= ip)[:, None, None, :]
+    return c, (q, ip, step[3], step[4], 1, *c.op_tensors(0), mask, D**-0.5, [0.1], [-(-S // 10)])
+
+
+def _assert_keys_mostly_shared(a, b):
+    """Two references' selections (outputs[1][0]: [B, Hq, 1, KMAX], -1 padded) share >= 95% of
+    b's keys: scores that differ by rounding reorder only near-ties."""
+    ka, kb = a[1][0], b[1][0]
+    same = ((ka.unsqueeze(-1) == kb.unsqueeze(-2)).any(-1) & (ka >= 0)).sum()
+    assert same >= 0.95 * (kb >= 0).sum(), (int(same), int((kb >= 0).sum()))
+
+
 def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
     # gluon_scores (the code-domain reference scores on tensor cores, session 13) against
     # _scores_linear_kernel on the same packed history: 4 x 8K ragged, token-sparse residuals,
@@ -254,17 +279,8 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
     from flashloop_compile.lowering.kernels import sparse_decode as SD
 
     torch._dynamo.reset()
-    B, S = 4, 8192
-    g = torch.Generator().manual_seed(12)
-    c = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
-    lengths = [5000, 3001, 64, 4097]
-    for d, (k, v, pos, *_rest) in enumerate(_forward_calls(lengths, [0] * B, g, True)):
-        P.packed_kv_write(c, 0, k, v, pos, d)
-    step = _forward_calls([1] * B, lengths, g, False)[1]
-    ip = step[5]
-    q = torch.randn(B, H, 1, D, device="cuda").to(DT)
-    mask = (torch.arange(S, device="cuda")[None, :] <= ip)[:, None, None, :]
-    args = (q, ip, step[3], step[4], 1, *c.op_tensors(0), mask, D**-0.5, [0.1], [-(-S // 10)])
+    c, args = _reference_case(12)
+    q = args[0]
     monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
     monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
     monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False))
@@ -284,9 +300,7 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
     assert torch.equal(mma_out[2], tl_out[2]) and torch.equal(mma_out[2], compiled[2])  # counts
     assert not torch.equal(mma_out[3], tl_out[3])  # the masses carry q''s fp16 rounding: the MMA path ran
     for other in (tl_out, compiled):
-        ka, kb = mma_out[1][0], other[1][0]
-        same = ((ka.unsqueeze(-1) == kb.unsqueeze(-2)).any(-1) & (ka >= 0)).sum()
-        assert same >= 0.95 * (kb >= 0).sum(), (int(same), int((kb >= 0).sum()))
+        _assert_keys_mostly_shared(mma_out, other)
 
 
 @pytest.mark.parametrize("mode", ["read", "fused", "linear"], ids=["read_then_reference", "fused", "linear"])
@@ -299,18 +313,7 @@ def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode,
     from flashloop_compile.lowering.kernels import packed_kv as K
 
     torch._dynamo.reset()
-    B, S = 4, 8192
-    g = torch.Generator().manual_seed(11)
-    c = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
-    lengths = [5000, 3001, 64, 4097]
-    for d, (k, v, pos, *_rest) in enumerate(_forward_calls(lengths, [0] * B, g, True)):
-        P.packed_kv_write(c, 0, k, v, pos, d)
-    step = _forward_calls([1] * B, lengths, g, False)[1]  # depth 1's in-flight token
-    ip = step[5]
-    q = torch.randn(B, H, 1, D, device="cuda").to(DT)
-    mask = (torch.arange(S, device="cuda")[None, :] <= ip)[:, None, None, :]
-    caps = [-(-S // 10)]
-    args = (q, ip, step[3], step[4], 1, *c.op_tensors(0), mask, D**-0.5, [0.1], caps)
+    _c, args = _reference_case(11)
     ref = P.packed_reference_attention_aten(*args)
     monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
     monkeypatch.setitem(K.PACKED_REFERENCE, "linear", False)
@@ -337,7 +340,5 @@ def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode,
         # the selections' masses agree (above) and almost all keys: the code-domain scores differ
         # from the bf16-rounded ones by rounding, which reorders only near-ties
         for other in (two_step, compiled):
-            ka, kb = got[1][0], other[1][0]  # [B, Hq, 1, KMAX], -1 padded
-            same = ((ka.unsqueeze(-1) == kb.unsqueeze(-2)).any(-1) & (ka >= 0)).sum()
-            assert same >= 0.95 * (kb >= 0).sum(), (int(same), int((kb >= 0).sum()))
+            _assert_keys_mostly_shared(got, other)
     assert torch.equal(got[2], ref[2])  # count
