@@ -213,9 +213,11 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
             lambda: SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps, packed=packed))
         window = torch.empty(B, H, 192, D, dtype=torch.bfloat16)  # the code-domain reference: codes + a window
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
+        tl_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False)  # _scores_linear_kernel
         run("sparse linear reference B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
-        mma_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True)  # gluon_scores.py (opt-in)
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
+                                                  config=tl_scores))
+        mma_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True)  # gluon_scores.py (the default)
         run("sparse linear reference mma scores B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
                                                   config=mma_scores))

@@ -858,12 +858,11 @@ class KernelConfig:
     # was 0.3-0.8% faster at depth 1, the reference's depth, and 1-3% at depth 3: not kept)
     block_k_linear: int = 16  # selected keys per tile of the code-domain correction (opt-in)
     # the code-domain reference scores on fp16 tensor cores (gluon_scores.py; CUDA sm_80+, head_dim
-    # 128, K blocks of 64 keys, block_n_linear 64) instead of _scores_linear_kernel. Opt-in (session
-    # 13): 1.9x faster per site (B4 x 32K: 105 + 14 us prep vs 200 us) and the step's device time
-    # 2.3 ms lower in the profile, but the timed 4x32K step did not improve (32.88 ms vs 32.68 and
-    # 32.81 with the tl kernel, other calls of the same lease; the same-call A/B failed on the op's
-    # registration, fixed since): benchmarks/RESULTS.md, session 13
-    scores_mma: bool = False
+    # 128, K blocks of 64 keys, block_n_linear 64) instead of _scores_linear_kernel. The default since
+    # session 14: 1.9x faster per site (session 13) and, in a same-call step A/B with steady clocks
+    # (1980 MHz both, no clock events), 4x32K 30.83 ms against 34.13 ms with the tl kernel
+    # (benchmarks/RESULTS.md, session 14; session 13's cross-call comparison had not shown it)
+    scores_mma: bool = True
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
