@@ -530,6 +530,25 @@ def _(*args):
     return None
 
 
+@torch.library.custom_op(f"{LIB}::mma_linear_pv", mutates_args=("part_o", "part_mass"))
+def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_, lo: T_,
+                   v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+                   rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
+    """The code-domain reference PV on tensor cores (kernels/gluon_pv.py, Gluon: opaque to
+    Inductor), launched by sparse_decode.reference_attention_triton: fills the split partials
+    part_o [split, 2 R, D] / part_mass [split, 2 R] as _pv_linear_kernel does. Registered on
+    import, as mma_linear_scores."""
+    from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
+
+    launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
+              v_res_scale, rows, res_layout, chunk, split, depth)
+
+
+@_mma_linear_pv.register_fake
+def _(*args):
+    return None
+
+
 # Opaque twins with the ATen bodies: what a CPU trace (torch.compile on CPU) records.
 def _twin_schema(op) -> str:
     schema = str(op._opoverload._schema)

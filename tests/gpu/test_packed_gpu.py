@@ -303,6 +303,40 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
         _assert_keys_mostly_shared(mma_out, other)
 
 
+def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
+    # gluon_pv (the code-domain reference PV on tensor cores, session 14) against _pv_linear_kernel
+    # after the same scores and selection: 4 x 8K ragged, token-sparse residuals, the window
+    # included. The selection is the same (keys, counts equal); O_ref / C_ref carry W's fp16
+    # rounding (11 bits) and agree with the tl kernel within 2e-3, with ATen within bf16's tolerance
+    import dataclasses
+
+    from flashloop_compile.lowering.kernels import gluon_pv
+    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import sparse_decode as SD
+
+    torch._dynamo.reset()
+    c, args = _reference_case(13)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=False))
+    tl_out = torch.ops.flashloop.packed_reference_attention(*args)
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=True))
+    assert gluon_pv.fits(args[0], D, c.group_size, 1)
+    mma_out = torch.ops.flashloop.packed_reference_attention(*args)
+    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
+                             fullgraph=True)(*args)
+    ref = P.packed_reference_attention_aten(*args)
+    names = ("out", "keys", "count", "mass", "o_ref", "c_ref")
+    for i in (1, 2):  # keys, counts: the same scores
+        assert torch.equal(mma_out[i], tl_out[i]) and torch.equal(compiled[i], tl_out[i]), names[i]
+    for name, x, y, z, r in zip(names, mma_out, tl_out, compiled, ref):
+        if x.is_floating_point():
+            torch.testing.assert_close(x.float(), y.float(), atol=2e-3, rtol=2e-3, msg=name)
+            torch.testing.assert_close(z.float(), y.float(), atol=2e-3, rtol=2e-3, msg=name)
+            torch.testing.assert_close(x.float(), r.float(), atol=1e-2, rtol=1e-2, msg=name)
+    assert not torch.equal(mma_out[4], tl_out[4])  # O_ref carries W's fp16 rounding: the MMA path ran
+
+
 @pytest.mark.parametrize("mode", ["read", "fused", "linear"], ids=["read_then_reference", "fused", "linear"])
 def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode, monkeypatch):
     # sparse decode's loop-2 reference under quantization at 4 x 8K (ragged, token-sparse

@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels import gluon_scores
+from flashloop_compile.lowering.kernels import gluon_pv
 from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import (
     _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
@@ -863,6 +864,10 @@ class KernelConfig:
     # (1980 MHz both, no clock events), 4x32K 30.83 ms against 34.13 ms with the tl kernel
     # (benchmarks/RESULTS.md, session 14; session 13's cross-call comparison had not shown it)
     scores_mma: bool = True
+    # the code-domain reference PV (O_ref, C_ref, mass) on fp16 tensor cores (gluon_pv.py; the same
+    # conditions, V groups of 64 channels) instead of _pv_linear_kernel. Opt-in (session 14) until a
+    # same-call step A/B shows it
+    pv_mma: bool = False
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
@@ -1169,11 +1174,23 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     if linear is not None:
         want = cfg.split_kv or _linear_splits(cfg, n_sm, b * hkv)
     block_n_pv = cfg.block_n_pv or cfg.block_n
-    chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
+    pv_mma = linear is not None and cfg.pv_mma and not _cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
+    if pv_mma:  # one-warp programs
+        chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s)
+    else:
+        chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
     e_total = (f + 1) * rows
     part_o = torch.empty(split_c, e_total, d, dtype=torch.float32, device=dev)
     part_mass = torch.empty(split_c, e_total, dtype=torch.float32, device=dev)
-    if linear is not None:
+    if pv_mma:
+        # the code-domain PV on tensor cores (Gluon; an opaque op as the scores)
+        (_kb, _kbm, _kbs, v_base, v_base_min, v_base_scale, _kr, _krm, _krs,
+         v_res, v_res_min, v_res_scale, rows_map, res_layout, *_geo) = largs
+        torch.ops.flashloop.mma_linear_pv(
+            probs, v if v.stride(3) == 1 else v.contiguous(), thr[0], cut[0], part_o, part_mass, lo,
+            v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
+            chunk_c, split_c, depth)
+    elif linear is not None:
         launch(_pv_linear_kernel, (b * hkv, split_c))(
             probs, v, thr, cut, part_o, part_mass, lo,
             s, hkv, rows, e_total, nw,
