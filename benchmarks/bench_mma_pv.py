@@ -96,13 +96,13 @@ def reference(t):
     return (torch.einsum("rs,rsd->rd", pa, v), torch.einsum("rs,rsd->rd", ps, v), pa.sum(1), ps.sum(1))
 
 
-def launch(kind: str, t, n_sm: int):
+def launch(kind: str, t, n_sm: int, resident: int = 12):
     dims = t["dims"]
     B, H, S, CAPT = dims["B"], dims["H"], dims["S"], dims["CAPT"]
     R = B * H
     dev = t["probs"].device
     if kind == "mma":
-        chunk, split = GP.splits(n_sm, R, S)
+        chunk, split = GP.splits(n_sm, R, S, resident)
     else:
         cfg = SD.DEFAULT_CONFIG
         chunk, split = SD._split(S, cfg.block_n_pv_linear, SD._linear_splits(cfg, n_sm, R))
@@ -155,8 +155,8 @@ def bench(args):
         # bytes: base codes + V parameters, the present residuals' codes + parameters, the row map, p
         n_res = int((t["rows"][0] >= 0).sum())
         bytes_ = (R * args.seq * (D // 2 + 8) + n_res * 16 * (D // 2 + 8) + B * args.seq * 4 + R * args.seq * 4)
-        for kind in ("tl", "mma"):
-            fn, po, pm, split = launch(kind, t, n_sm)
+        for kind, resident in [("tl", 0)] + [("mma", w) for w in args.resident]:
+            fn, po, pm, split = launch(kind, t, n_sm, resident)
             fn()
             torch.cuda.synchronize()
             o = po.double().sum(0)
@@ -182,7 +182,7 @@ def bench(args):
                 if i >= args.warmup:
                     ms.append(e0.elapsed_time(e1))
             us = statistics.median(ms) * 1000
-            row = dict(kind=kind, batch=B, seq=args.seq, split=split, us=us, **{f"err_{k}": v for k, v in errs.items()},
+            row = dict(kind=kind, resident=resident, batch=B, seq=args.seq, split=split, us=us, **{f"err_{k}": v for k, v in errs.items()},
                        o_ref_scale=o_ref.abs().max().item(), gbs=bytes_ / us / 1e3, copy_gbs=copy_gbs,
                        floor_us=bytes_ / copy_gbs / 1e3)
             rows_out.append(row)
@@ -190,9 +190,9 @@ def bench(args):
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "mma_pv.json").write_text(json.dumps(rows_out, indent=1))
-    print(f"{'kind':5} {'B':>2} {'split':>5} {'us':>8} {'floor us':>8} {'GB/s':>6} {'err O_ref':>9} {'err C_ref':>9} {'err mass':>9}")
+    print(f"{'kind':5} {'res':>3} {'B':>2} {'split':>5} {'us':>8} {'floor us':>8} {'GB/s':>6} {'err O_ref':>9} {'err C_ref':>9} {'err mass':>9}")
     for r in rows_out:
-        print(f"{r['kind']:5} {r['batch']:>2} {r['split']:>5} {r['us']:8.1f} {r['floor_us']:8.1f} {r['gbs']:6.0f} "
+        print(f"{r['kind']:5} {r['resident']:>3} {r['batch']:>2} {r['split']:>5} {r['us']:8.1f} {r['floor_us']:8.1f} {r['gbs']:6.0f} "
               f"{r['err_o_ref']:9.2e} {r['err_c_ref']:9.2e} {r['err_mass']:9.2e}")
 
 
@@ -200,6 +200,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--resident", type=int, nargs="+", default=[12],
+                    help="programs per SM the tensor-core kernel's split targets (gluon_pv.splits)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     bench(ap.parse_args(argv))

@@ -274,10 +274,11 @@ def fits(p: torch.Tensor, head_dim: int, group: int, depth: int) -> bool:
     return head_dim == HEAD_DIM and group == GROUP
 
 
-def splits(n_sm: int, rows: int, s: int, waves: int = 16) -> tuple[int, int]:
-    """(chunk, split) of the history for rows programs of one warp: about ``waves`` programs per SM
-    (one-warp programs: 16 per SM is half the warp slots), chunks of whole 64-key tiles."""
-    want = max(1, min(-(-waves * n_sm // rows), -(-s // TILE)))
+def splits(n_sm: int, rows: int, s: int, resident: int = 12) -> tuple[int, int]:
+    """(chunk, split) of the history for rows one-warp programs: as many whole 64-key-tile chunks
+    per row as fill one wave of ``resident`` programs per SM (the kernel takes 168 registers: 12
+    one-warp programs per SM), at most one wave, so that no partial second wave trails."""
+    want = max(1, min((resident * n_sm) // rows, -(-s // TILE)))
     chunk = -(-(-(-s // want)) // TILE) * TILE
     return chunk, -(-s // chunk)
 
