@@ -865,9 +865,10 @@ class KernelConfig:
     # (benchmarks/RESULTS.md, session 14; session 13's cross-call comparison had not shown it)
     scores_mma: bool = True
     # the code-domain reference PV (O_ref, C_ref, mass) on fp16 tensor cores (gluon_pv.py; the same
-    # conditions, V groups of 64 channels) instead of _pv_linear_kernel. Opt-in (session 14) until a
-    # same-call step A/B shows it
-    pv_mma: bool = False
+    # conditions, V groups of 64 channels) instead of _pv_linear_kernel. The default since session
+    # 14: per site 119 vs 217 us at B4 x 32K, 41 vs 65 us at B1; the 4x32K step 28.54 vs 30.85 ms,
+    # one process per config (benchmarks/RESULTS.md, session 14)
+    pv_mma: bool = True
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
