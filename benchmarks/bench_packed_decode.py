@@ -166,6 +166,10 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # bn32 depth 1 (12 warps/SM), 255 with 3 spill ops at depth 3
     *[(f"fast mma bn{bn} w{w} s{st} x4", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "mma": True}})
       for bn, w, st in ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 8, 3))],
+    # FAST_DECODE "gluon" (session 14, opt-in): the reference's tensor-core kernels without the
+    # selection (sparse_decode.linear_decode_triton, through packed_ops.packed_attention: a window
+    # read, the scores, the PV with the probabilities formed per split, the split combine)
+    ("fast gluon", {"gluon": True}),
     # packed_read (sparse decode under quantization), generic vs PACKED_READ "bulk": the whole
     # history (loop 2's reference) and 10% scattered keys per head (a correction's selection, sorted
     # as the top-k positions are not: order does not matter to either kernel); not attention
@@ -312,6 +316,13 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         if kw.get("read"):
                             K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
+                        if kw.get("gluon"):  # read at launch: captured as set here
+                            saved = dict(K.FAST_DECODE)
+                            K.FAST_DECODE["gluon"] = True
+                            try:
+                                return torch.ops.flashloop.packed_attention(q, kd, vd, pd, pd, depth, *tensors, scale)
+                            finally:
+                                K.FAST_DECODE.update(saved)
                         out = torch.empty_like(q)
                         K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out

@@ -190,6 +190,9 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         from flashloop_compile.lowering.kernels import gluon_scores as GS
 
         GS._run = lambda kernel, grid: wrap(kernel)[grid]  # the tensor-core scores' launches (an opaque op)
+        from flashloop_compile.lowering.kernels import gluon_pv as GPV
+
+        GPV._run = lambda kernel, grid: wrap(kernel)[grid]  # ... and the tensor-core PV's
         B, H, S, D = 4, 16, 32768, 128
         q = torch.empty(B, H, 1, D, dtype=torch.bfloat16)
         k = torch.empty(B, H, S, D, dtype=torch.bfloat16)
@@ -213,14 +216,14 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
             lambda: SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps, packed=packed))
         window = torch.empty(B, H, 192, D, dtype=torch.bfloat16)  # the code-domain reference: codes + a window
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
-        tl_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False)  # _scores_linear_kernel
+        tl_kernels = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False, pv_mma=False)  # _scores/_pv_linear_kernel
         run("sparse linear reference B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=tl_scores))
-        mma_scores = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True)  # gluon_scores.py (the default)
-        run("sparse linear reference mma scores B4 32K",
+                                                  config=tl_kernels))
+        mma = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True, pv_mma=True)  # gluon_scores.py, gluon_pv.py (the defaults)
+        run("sparse linear reference mma B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=mma_scores))
+                                                  config=mma))
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear))
     if only in (None, "read"):

@@ -94,7 +94,7 @@ def _scores_emulated(t, depth):
     return acc
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [0, 1, 2])
 def test_the_tensor_core_scores_arithmetic_matches_the_decoded_keys(depth):
     t = _packed(2, 3, 256, depth, seed=depth)
     want, got = _scores_fp64(t, depth), _scores_emulated(t, depth)
@@ -107,7 +107,7 @@ def test_the_tensor_core_scores_apply_at_ouro_shapes_only():
     q = torch.empty(1, 16, 1, 128)
     assert GS.fits(q, 128, 64, 64, 1) and GS.fits(q, 128, 64, 64, 3)
     assert not GS.fits(q, 64, 64, 64, 1) and not GS.fits(q, 128, 32, 64, 1) and not GS.fits(q, 128, 64, 32, 1)
-    assert not GS.fits(q, 128, 64, 64, 0)  # no residual stream: the kernel's DEPTH >= 1
+    assert GS.fits(q, 128, 64, 64, 0)  # the base alone: loop 1's decode (packed_kv.FAST_DECODE["gluon"])
 
 
 def test_the_op_is_registered_when_the_package_is_imported():

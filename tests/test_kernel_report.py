@@ -93,14 +93,23 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     # session 13: the scores on tensor cores (gluon_scores.py, KernelConfig.scores_mma): one MMA per
     # 16 channels, stream and 16 keys (2 streams at depth 1: 16 per warp and 64-key tile), a key's
     # 16 code bytes per thread in one load, a third of the tl kernel's instructions per tile
-    mma = rows["sparse linear reference mma scores B4 32K [_mma_scores_kernel]"]
-    assert "sparse linear reference mma scores B4 32K [_scores_linear_kernel]" not in rows
+    mma = rows["sparse linear reference mma B4 32K [_mma_scores_kernel]"]
+    assert "sparse linear reference mma B4 32K [_scores_linear_kernel]" not in rows
     # (one value stored before the key loops and loaded after them: 2 local-memory ops, none in a loop)
     assert mma["spill_ops"] <= 2 and mma["mma"] == 16 and mma["loads"].get("LDG.E.128", 0) >= 4, mma
     # the report's loop is the largest: the window's BF16 loop (a few tiles per row, 374), the
     # code-domain loop is ~300 (scripts/kernel_report.py --dump)
     assert 2 * mma["loop"] < scores["loop"], (mma["loop"], scores["loop"])
     assert mma["warps_per_sm"] >= 24, mma
+    # session 14: the PV on tensor cores (gluon_pv.py, KernelConfig.pv_mma), one-warp programs: one
+    # MMA per 16 channels, stream and 16 keys (2 streams x 8 x 4 per 64-key tile), a key's 8 code
+    # bytes per thread in one load, no spills at 168 registers (12 programs per SM, the split's
+    # target); per 64 keys under half the tl kernel's warp instructions (4 warps, 32-key tiles)
+    mpv = rows["sparse linear reference mma B4 32K [_mma_pv_kernel]"]
+    assert "sparse linear reference mma B4 32K [_pv_linear_kernel]" not in rows
+    assert mpv["spill_ops"] == 0 and mpv["mma"] == 64 and mpv["loads"].get("LDG.E.64", 0) >= 32, mpv
+    assert mpv["warps_per_sm"] >= 12 and mpv["regs"] <= 168, mpv
+    assert 2 * mpv["loop"] < 8 * pv["loop"], (mpv["loop"], pv["loop"])
 
 
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():

@@ -467,9 +467,37 @@ def _packed_attention(
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _kernels().launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
+    K = _kernels()
+    if K.FAST_DECODE["gluon"]:
+        from flashloop_compile.lowering.kernels import sparse_decode as sd
+
+        if sd.linear_decode_fits(q, cache, depth):
+            # one-row decode on tensor cores: the bulk in the code domain, a window of the ring and
+            # in-flight tokens read as the loop-2 reference does, the visibility rule of the ATen body
+            S, D = k_base.shape[2], 2 * k_base.shape[3]
+            lo, window = sd.linear_window(cache, depth, inflight_positions)
+            kw = torch.empty(q.shape[0], k_base.shape[1], window.shape[1], D, dtype=k_tail.dtype, device=q.device)
+            vw = torch.empty_like(kw)
+            K.launch_packed_read(cache, window, depth, kw, vw, inflight=(inflight_positions, k_inflight, v_inflight),
+                                 wrap=wrap_triton)
+            sd.linear_decode_triton(q, kw, vw, decode_visibility(q_positions, inflight_positions, S), scale,
+                                    (cache, depth, lo), out)
+            return out
+    K.launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
                               wrap=wrap_triton)
     return out
+
+
+def decode_visibility(q_positions: Tensor, inflight_positions: Tensor, max_seq: int) -> Tensor:
+    """[B, 1, 1, S] bool: the keys one decode row (q_positions [B, 1]) sees, by packed_attention_aten's
+    rule: stored positions below the stored end and in-flight positions (not -1), at or before the
+    query's position (a row at -1 sees none). Device ops only."""
+    n = torch.arange(max_seq, device=q_positions.device)[None, :]
+    qpos = q_positions[:, :1]
+    vis = (n < stored_end(q_positions, inflight_positions, max_seq)[:, None]).to(torch.uint8)
+    ipv = ((inflight_positions >= 0) & (inflight_positions <= qpos)).to(torch.uint8)
+    vis = vis.scatter_reduce(1, inflight_positions.clamp(0, max_seq - 1).long(), ipv, reduce="amax")
+    return ((vis != 0) & (n <= qpos) & (qpos >= 0))[:, None, None, :]
 
 
 @torch.library.triton_op(f"{LIB}::packed_reference_attention", mutates_args=())
@@ -545,6 +573,23 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
 
 
 @_mma_linear_pv.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::mma_linear_decode_pv", mutates_args=("part_o", "part_mass"))
+def _mma_linear_decode_pv(scores: T_, v: T_, part_m: T_, part_l: T_, part_o: T_, part_mass: T_, lo: T_,
+                          v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
+    """mma_linear_pv for decode (sparse_decode.linear_decode_triton): no selection, the
+    probabilities formed from the scaled scores and their split partials part_m / part_l [R, split_a]."""
+    from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
+
+    launch_pv(scores, v, None, None, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
+              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l)
+
+
+@_mma_linear_decode_pv.register_fake
 def _(*args):
     return None
 

@@ -337,6 +337,32 @@ def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
     assert not torch.equal(mma_out[4], tl_out[4])  # O_ref carries W's fp16 rounding: the MMA path ran
 
 
+@pytest.mark.parametrize("depth", [0, 1])
+def test_gluon_decode_matches_aten_and_the_fast_path(depth, monkeypatch):
+    # FAST_DECODE["gluon"] (session 14): one-row decode through the reference's tensor-core kernels
+    # without the selection (sparse_decode.linear_decode_triton), at 4 x 8K ragged (a 64-token row:
+    # the window holds its whole history), token-sparse residuals, one token in flight; eager and
+    # compiled against the ATen body and the default fast path, within bf16's tolerance
+    from flashloop_compile.lowering.kernels import packed_kv as K
+
+    torch._dynamo.reset()
+    c, ref_args = _reference_case(14)
+    q, ip, fk, fv = ref_args[:4]
+    args = (q, fk, fv, ip, ip, depth, *c.op_tensors(0), D**-0.5)
+    fast = torch.ops.flashloop.packed_attention(*args)
+    monkeypatch.setitem(K.FAST_DECODE, "gluon", True)
+    from flashloop_compile.lowering.kernels import sparse_decode as SD
+
+    assert SD.linear_decode_fits(q, c.op_tensors(0), depth)
+    got = torch.ops.flashloop.packed_attention(*args)
+    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_attention(*a), backend="flashloop",
+                             fullgraph=True)(*args)
+    ref = P.packed_attention_aten(*args)
+    for other in (ref, fast, compiled):
+        torch.testing.assert_close(got.float(), other.float(), atol=1e-2, rtol=1e-2)
+    assert not torch.equal(got, fast)  # the tensor-core path ran
+
+
 @pytest.mark.parametrize("mode", ["read", "fused", "linear"], ids=["read_then_reference", "fused", "linear"])
 def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode, monkeypatch):
     # sparse decode's loop-2 reference under quantization at 4 x 8K (ragged, token-sparse

@@ -83,6 +83,7 @@ if gluon is not None:
     WIN = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
                                         order=[1, 0]))
     CH = gl.constexpr(gl.SliceLayout(0, WIN))
+    SPL = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 
     @gluon.jit
     def _pair_nibbles(a, b):
@@ -163,21 +164,44 @@ if gluon is not None:
         return (key > thr) | ((key == thr) & (n <= cut))
 
     @gluon.jit
+    def _probabilities(pv, lse, NORMALIZE: gl.constexpr):
+        """The attention weights of stored values pv: probabilities as they stand (< 0 where
+        invisible), or with NORMALIZE scaled scores (-inf where masked) normalized by the row's lse."""
+        if NORMALIZE:
+            return gl.exp(pv - lse)
+        return gl.maximum(pv, 0.0)
+
+    @gluon.jit
     def _mma_pv_kernel(
         p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr, lo_ptr,
         S, HKV, R, E_TOTAL, NW, svb, svh, svs, CHUNK,
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, CAPT,
-        DEPTH: gl.constexpr,
+        pm_ptr, pl_ptr, SPLIT_A,
+        DEPTH: gl.constexpr, SELECT: gl.constexpr = True, NORMALIZE: gl.constexpr = False,
+        SPLIT_P2: gl.constexpr = 1,
     ):
         """_pv_linear_kernel (one query row per kv head, row = b * HKV + hk, one fraction) with the
-        keys below lo[b] on tensor cores; partials [split, slot, row] for _pv_combine_kernel."""
+        keys below lo[b] on tensor cores; partials [split, slot, row] for _pv_combine_kernel.
+        Without SELECT, slot 1 is empty (no selection: decode). With NORMALIZE, p_ptr holds the
+        scaled scores and pm_ptr / pl_ptr [R, SPLIT_A] their split partials (max, sum of exp), as
+        the scores kernels leave them: the probabilities are formed here."""
         pid_bh = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = (pid_bh // HKV).to(gl.int64)
         hk = (pid_bh % HKV).to(gl.int64)
         row = pid_bh.to(gl.int64)
-        thr = gl.load(thr_ptr + row)
-        cut = gl.load(cut_ptr + row)
+        if SELECT:
+            thr = gl.load(thr_ptr + row)
+            cut = gl.load(cut_ptr + row)
+        lse = 0.0
+        if NORMALIZE:  # the row's log-sum-exp from the scores' split partials (0 for a row with none visible)
+            sp = gl.arange(0, SPLIT_P2, layout=SPL)
+            pm = gl.load(pm_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=float("-inf"))
+            pl = gl.load(pl_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=0.0)
+            mx = gl.max(pm, 0)
+            mx = gl.where(mx > float("-inf"), mx, 0.0)
+            tot = gl.sum(pl * gl.exp(pm - mx), 0)
+            lse = gl.where(tot > 0.0, mx + gl.log(tot), 0.0)
         vb = v_base + row * S * (D // 2)
         vr = v_res + row * CAPT * (D // 2)
         # the V parameters as one 32-bit word (two fp16 groups) per code row
@@ -201,8 +225,11 @@ if gluon is not None:
         for n0 in range(start, mid, BN):
             n = n0 + nk
             pv = gl.load(p_row + n0 + nk)
-            pa = gl.maximum(pv, 0.0)
-            ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
+            pa = _probabilities(pv, lse, NORMALIZE)
+            if SELECT:
+                ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
+            else:
+                ps = gl.zeros_like(pa)
             p2 = gl.where(col < 4, gl.where(col % 2 == 0, gl.expand_dims(pa, 1), gl.expand_dims(ps, 1)), 0.0)
             msum += _key_sum(p2)
             # the base: whole tiles, addresses from the tile's pointer and loop-invariant offsets
@@ -233,9 +260,12 @@ if gluon is not None:
             in_buf = n_ok & (idx < NW)
             vt = gl.load(v_row + gl.expand_dims(idx * svs, 1) + gl.expand_dims(ch, 0),
                          mask=gl.expand_dims(in_buf, 1) & gl.expand_dims(ch >= 0, 0), other=0.0).to(gl.float32)
-            pv = gl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0)
-            pa = gl.where(in_buf, gl.maximum(pv, 0.0), 0.0)
-            ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
+            pv = gl.load(p_ptr + row * S + n, mask=n_ok, other=float("-inf") if NORMALIZE else -1.0)
+            pa = gl.where(in_buf, _probabilities(pv, lse, NORMALIZE), 0.0)
+            if SELECT:
+                ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
+            else:
+                ps = gl.zeros_like(pa)
             mw0 += pa
             mw1 += ps
             yw0 += gl.sum(vt * gl.expand_dims(pa, 1), 0)
@@ -268,7 +298,7 @@ def fits(p: torch.Tensor, head_dim: int, group: int, depth: int) -> bool:
     """Whether the tensor-core PV applies: Gluon, mma.sync (sm_80+ where p is on CUDA; the caller
     keeps CPU tensors on the tl kernel, except scripts/kernel_report.py's sm_90 compile), head_dim
     128 and V groups of 64 channels (two per row)."""
-    if gluon is None or depth < 1:
+    if gluon is None or depth < 0:
         return False
     if p.device.type == "cuda" and torch.cuda.get_device_capability(p.device) < (8, 0):
         return False
@@ -289,19 +319,28 @@ def _run(kernel, grid):
 
 
 def launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None):
+              v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None, part_m=None, part_l=None):
     """The body of ``flashloop::mma_linear_pv`` (registered in packed_ops.py): fills the split
     partials part_o [split, 2 R, D] and part_mass [split, 2 R] (R = B * Hkv rows, slot 0 then
     slot 1) from probs [R, S] (normalized probabilities, < 0 where invisible), the selection's
     thr / cut [R], the window buffer v [B, Hkv, NW, D] from lo[b] on (unit channel stride) and the
-    packed cache's V tensors."""
+    packed cache's V tensors. Decode (no selection): thr / cut None, probs the scaled scores
+    (-inf where masked) and part_m / part_l [R, split_a] their split partials; slot 1 stays 0."""
     run = run or _run
     bsz, hkv, nw = v.shape[0], v.shape[1], v.shape[2]
     cache_b, _, s, _ = v_base.shape  # [B, H, S, D/2]
     capt = v_res.shape[2]
     r = bsz * hkv
+    select = thr is not None
+    normalize = part_m is not None
+    if select == normalize:
+        raise ValueError("launch_pv: give the selection (thr, cut) with probabilities, or the split partials "
+                         "(part_m, part_l) with scores, not both or neither")
+    split_a = part_m.shape[1] if normalize else 1
     return run(_mma_pv_kernel, (r, split))(
-        probs, v, thr, cut, part_o, part_mass, lo,
+        probs, v, thr if select else probs, cut if select else probs, part_o, part_mass, lo,
         s, hkv, r, 2 * r, nw, v.stride(0), v.stride(1), v.stride(2), chunk,
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, cache_b, capt,
-        DEPTH=depth, num_warps=1, **EXTRA)
+        part_m if normalize else probs, part_l if normalize else probs, split_a,
+        DEPTH=depth, SELECT=select, NORMALIZE=normalize, SPLIT_P2=max(32, triton.next_power_of_2(split_a)),
+        num_warps=1, **EXTRA)

@@ -238,7 +238,7 @@ def fits(q: torch.Tensor, head_dim: int, group: int, block_n: int, depth: int) -
     """Whether the tensor-core scores apply: Gluon, mma.sync (sm_80+ where q is on CUDA; the
     caller keeps CPU tensors on the tl kernel, except scripts/kernel_report.py's sm_90 compile),
     and the shape the layouts are built for (head_dim 128, K blocks of 64 keys, 64-key tiles)."""
-    if gluon is None or depth < 1:
+    if gluon is None or depth < 0:
         return False
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
         return False

@@ -1433,10 +1433,14 @@ def _with_overrides(defaults: dict, env: str) -> dict:
 # alone: faster at 1 of the 4 points). Its 4x32K step A/B (32.78 vs 32.72 ms) ran one build twice
 # (the compile cache, see lowering_key.py): not measured in a step; benchmarks/RESULTS.md, session 11. Session 12:
 # "maxnreg": 128 (4 programs per SM; 13 spill ops at depth 0) with 4 or 8 waves lost 0-10%.
+# Session 14: "gluon" (opt-in until measured in a step) sends one-row decode (T = 1, Hq = Hkv, head_dim
+# 128, group 64, CUDA sm_80+) to sparse_decode.linear_decode_triton instead: the loop-2 reference's
+# tensor-core kernels without the selection (gluon_scores, gluon_pv), over a window read like the
+# reference's (packed_ops.packed_attention).
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "maxnreg": None, "linear": True,
-    "mma": False, "half": True,
+    "mma": False, "half": True, "gluon": False,
 }, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups

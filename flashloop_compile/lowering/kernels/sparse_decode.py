@@ -1222,6 +1222,68 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     return out, keys, count, mass, o_ref, c_ref
 
 
+def linear_decode_fits(q, tensors, depth: int, config: KernelConfig | None = None) -> bool:
+    """Whether linear_decode_triton applies to packed_attention's q [B, Hq, T, D] over the packed
+    cache ``tensors``: CUDA sm_80+, T = 1, Hq = Hkv, the tensor-core kernels' shape (gluon_scores /
+    gluon_pv.fits)."""
+    from flashloop_compile.lowering.kernels.packed_kv import _geometry
+
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    cfg = _config_for(q.device, config)
+    return (q.device.type == "cuda" and not _cpu_semantics(q.device) and q.shape[2] == 1 and q.shape[1] == H
+            and q.shape[3] == D and gluon_scores.fits(q, D, G, cfg.block_n_linear, depth)
+            and gluon_pv.fits(q, D, G, depth))
+
+
+def linear_decode_triton(q, k, v, mask, scale, linear, out, *, config: KernelConfig | None = None):
+    """One-query-row decode attention (T = 1, Hq = Hkv) over a packed history in the code domain,
+    on tensor cores: the loop-2 reference's kernels without its selection. ``linear`` = (packed
+    cache tensors, depth, lo [B]) and k/v [B, Hkv, NW, D] the window from lo[b] on, as
+    reference_attention_triton takes them; mask [B, 1|Hkv, 1, S] (any strides). Scores and their
+    split partials (gluon_scores), the probabilities formed and multiplied into V's codes per split
+    (gluon_pv, NORMALIZE), the splits summed (_pv_combine_kernel) into out [B, Hkv, 1, D]. CUDA only:
+    packed_kv.FAST_DECODE["gluon"] sends loop 1's decode here (packed_ops.packed_attention)."""
+    cfg = _config_for(q.device, config)
+    dev = q.device
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    largs, lo, gp, depth = _linear_args(linear)
+    s = linear[0][0].shape[2]
+    if not (t == 1 and hq == hkv and gluon_scores.fits(q, d, gp, cfg.block_n_linear, depth)
+            and gluon_pv.fits(q, d, gp, depth)) or _cpu_semantics(dev):
+        raise ValueError(f"the tensor-core decode needs CUDA sm_80+, one query row per kv head, head_dim "
+                         f"{gluon_scores.HEAD_DIM}, a group of {gluon_scores.GROUP} and block_n_linear "
+                         f"{gluon_scores.TILE}; got q {tuple(q.shape)} on {dev}, {hkv} kv heads, group {gp}, "
+                         f"block_n_linear {cfg.block_n_linear}")
+    rows = b * hkv
+    mask_full = mask.expand(b, hkv, 1, s)
+    chunk_a, split_a = _split(s, cfg.block_n_linear, cfg.split_kv or _linear_splits(cfg, sm_count(dev), rows))
+    scores = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+     v_res, v_res_min, v_res_scale, rows_map, res_layout, *_geo) = largs
+    torch.ops.flashloop.mma_linear_scores(
+        q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(), mask_full,
+        scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min, k_res_scale,
+        rows_map, res_layout, float(scale), chunk_a, split_a, depth)
+    chunk_c, split_c = gluon_pv.splits(sm_count(dev), rows, s)
+    part_o = torch.empty(split_c, 2 * rows, d, dtype=torch.float32, device=dev)
+    part_mass = torch.empty(split_c, 2 * rows, dtype=torch.float32, device=dev)
+    torch.ops.flashloop.mma_linear_decode_pv(
+        scores, v if v.stride(3) == 1 else v.contiguous(), part_m, part_l, part_o, part_mass, lo,
+        v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
+        chunk_c, split_c, depth)
+    o32 = torch.empty(rows, d, dtype=torch.float32, device=dev)  # (the combine's FP32 copies: unused)
+    c32 = torch.empty(rows, d, dtype=torch.float32, device=dev)
+    m32 = torch.empty(rows, dtype=torch.float32, device=dev)
+    _Launcher(True)(_pv_combine_kernel, (2 * rows,))(
+        part_o, part_mass, out, o32, c32, m32, rows, 2 * rows, split_c,
+        D=d, SPLIT_P2=next_pow2(split_c), num_warps=4,
+    )
+    return out
+
+
 def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, linear, *,
                              wrap: bool = False, config: KernelConfig | None = None):
     """A correction over a packed history without a packed_read of the selected keys (opt-in,
