@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -28,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Deadline, GpuSampler, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text, graph_replay_ms,
+    OUT, Deadline, GpuSampler, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text, graph_replay_ms,
     record, sync,
 )
 
@@ -172,6 +174,39 @@ def fill_packed(model, context: int) -> None:
     sync()
 
 
+def isolated(args) -> None:
+    """main() with each (shape, config) in a process of its own, dense first at each shape (its
+    time is handed to the others' rows as their baseline): rows as main() records them."""
+    deadline = Deadline(args.deadline)
+    configs = args.configs.split(",")
+    configs = [c for c in configs if c == "dense"] + [c for c in configs if c != "dense"]
+    log = OUT / "decode.jsonl"
+    for si, shape in enumerate(args.shapes.split(",")):
+        dense_ms: dict[str, float] = {}
+        for name in configs:
+            if not deadline.allows(120):
+                record("decode", {"kind": "skipped", "shape": shape, "config": name, "reason": "deadline"})
+                continue
+            whole = args.dense_whole and si == 0 and name == "dense"
+            cmd = [sys.executable, __file__, "--preset", args.preset, "--shapes", shape, "--configs", name,
+                   "--dtype", args.dtype, "--profile", str(args.profile), "--deadline", str(deadline.left()),
+                   "--no-isolate", "--dense-ms", json.dumps(dense_ms),
+                   "--outline" if args.outline else "--no-outline", "--dense-whole" if whole else "--no-dense-whole"]
+            start = log.stat().st_size if log.exists() else 0
+            run = subprocess.run(cmd)
+            if run.returncode:
+                record("decode", {"kind": "error", "shape": shape, "config": name,
+                                  "error": f"the isolated process exited with {run.returncode}"})
+            if log.exists():
+                with open(log) as f:
+                    f.seek(start)
+                    for line in f:
+                        r = json.loads(line)
+                        if r.get("kind") == "decode_step" and str(r.get("config", "")).startswith("dense"):
+                            dense_ms[r["config"]] = r["ms"]
+    print("done", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
@@ -185,7 +220,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after each config's timing, N more replays under the profiler: time per kernel bucket")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="one process per shape and config (default: on with CUDA). A config timed after "
+                         "another in one process can read slower: session 14 saw sparse + quant at 4x32K "
+                         "32.46 ms after dense in one process and 30.85 ms alone, the kernels' device time "
+                         "equal (benchmarks/RESULTS.md)")
+    ap.add_argument("--dense-ms", default="{}", help=argparse.SUPPRESS)  # an isolated child's dense baseline
     args = ap.parse_args()
+    if args.isolate is None:
+        args.isolate = torch.cuda.is_available()
+    if args.isolate:
+        return isolated(args)
     deadline = Deadline(args.deadline)
 
     from flashloop_compile.models.ouro import OuroForCausalLM
@@ -210,7 +255,7 @@ def main() -> None:
         t0 = time.perf_counter()
         gm, inputs = capture_graph(model, ids, pos)
         trace_s = time.perf_counter() - t0
-        dense_ms: dict[str, float] = {}
+        dense_ms: dict[str, float] = json.loads(args.dense_ms)
         variants = [(n, {**CONFIGS[n], "compilation.outline_layers": args.outline}) for n in args.configs.split(",")]
         if args.dense_whole and si == 0:
             variants.insert(0, ("dense-whole", {}))

@@ -22,10 +22,14 @@ OUT = Path(os.environ.get("OUT", "out"))
 
 
 def git_commit() -> str:
+    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git: session 14's
+    rows said 698d590 for every later commit), else git's HEAD."""
+    if os.environ.get("FLASHLOOP_COMMIT"):
+        return os.environ["FLASHLOOP_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("FLASHLOOP_COMMIT", "unknown")
+        return "unknown"
 
 
 def environment() -> dict[str, Any]:

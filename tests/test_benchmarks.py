@@ -172,3 +172,22 @@ def test_gpu_samples_summarize_clock_power_and_throttle_reasons():
     with common.GpuSampler() as s:  # without CUDA / nvidia-smi: nothing sampled, nothing raised
         pass
     assert s.summary is None
+
+
+def test_decode_bench_isolates_each_config_and_hands_dense_to_the_others(tmp_path):
+    # --isolate (the default with CUDA): a process per (shape, config), dense first whatever the
+    # order given; the others' rows carry its time as their baseline (session 14: a config timed
+    # after dense in one process read 5% slower with the same kernel time)
+    args = ["--preset", "tiny", "--dtype", "float32", "--shapes", "1x64", "--configs", "quant,dense",
+            "--no-dense-whole", "--isolate"]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), *args], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "decode.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "decode_step"]
+    assert [r["config"] for r in steps] == ["dense", "quant"]
+    assert sum(r["kind"] == "copy_bandwidth" for r in rows) == 2  # two processes
+    dense, quant = steps
+    assert quant["dense_ms"] == {"dense": dense["ms"]}
+    assert quant["speedup_vs_dense"] == dense["ms"] / quant["ms"]
