@@ -6,7 +6,7 @@ Both are checked against FP64 sums of the decoded values first (O_ref: every key
 selected keys, and the masses), then timed as CUDA graphs (no host launch time): median of
 replays with L2 flushed, with the bytes the PV must read against the measured copy bandwidth.
 
-    python3 benchmarks/bench_mma_pv.py --batch 1 4     # GPU
+    python3 benchmarks/bench_mma_pv.py --batch 1 4 [--resident 8 12 16] [--compact false true]   # GPU
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def reference(t):
     return (torch.einsum("rs,rsd->rd", pa, v), torch.einsum("rs,rsd->rd", ps, v), pa.sum(1), ps.sum(1))
 
 
-def launch(kind: str, t, n_sm: int, resident: int = 12):
+def launch(kind: str, t, n_sm: int, resident: int = 12, compact: bool = False):
     dims = t["dims"]
     B, H, S, CAPT = dims["B"], dims["H"], dims["S"], dims["CAPT"]
     R = B * H
@@ -113,7 +113,7 @@ def launch(kind: str, t, n_sm: int, resident: int = 12):
         def fn():
             GP.launch_pv(t["probs"], v, t["thr"], t["cut"], po, pm, t["lo"], t["v_base"], t["v_base_min"],
                          t["v_base_scale"], t["v_res"], t["v_res_min"], t["v_res_scale"], t["rows"], t["res_layout"],
-                         chunk, split, 1)
+                         chunk, split, 1, compact_keys=compact)
     else:
         cfg = SD.DEFAULT_CONFIG
         kb, kr = t["v_base"], t["v_res"]  # K placeholders (the PV kernel reads V only)
@@ -155,8 +155,10 @@ def bench(args):
         # bytes: base codes + V parameters, the present residuals' codes + parameters, the row map, p
         n_res = int((t["rows"][0] >= 0).sum())
         bytes_ = (R * args.seq * (D // 2 + 8) + n_res * 16 * (D // 2 + 8) + B * args.seq * 4 + R * args.seq * 4)
-        for kind, resident in [("tl", 0)] + [("mma", w) for w in args.resident]:
-            fn, po, pm, split = launch(kind, t, n_sm, resident)
+        points = [("tl", 0, False)] + [("mma", w, c) for c in args.compact for w in
+                                        (args.resident or [GP.resident(c)])]
+        for kind, resident, compact in points:
+            fn, po, pm, split = launch(kind, t, n_sm, resident, compact)
             fn()
             torch.cuda.synchronize()
             o = po.double().sum(0)
@@ -182,7 +184,7 @@ def bench(args):
                 if i >= args.warmup:
                     ms.append(e0.elapsed_time(e1))
             us = statistics.median(ms) * 1000
-            row = dict(kind=kind, resident=resident, batch=B, seq=args.seq, split=split, us=us, **{f"err_{k}": v for k, v in errs.items()},
+            row = dict(kind=kind + (" compact" if compact else ""), resident=resident, batch=B, seq=args.seq, split=split, us=us, **{f"err_{k}": v for k, v in errs.items()},
                        o_ref_scale=o_ref.abs().max().item(), gbs=bytes_ / us / 1e3, copy_gbs=copy_gbs,
                        floor_us=bytes_ / copy_gbs / 1e3)
             rows_out.append(row)
@@ -190,9 +192,9 @@ def bench(args):
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "mma_pv.json").write_text(json.dumps(rows_out, indent=1))
-    print(f"{'kind':5} {'res':>3} {'B':>2} {'split':>5} {'us':>8} {'floor us':>8} {'GB/s':>6} {'err O_ref':>9} {'err C_ref':>9} {'err mass':>9}")
+    print(f"{'kind':11} {'res':>3} {'B':>2} {'split':>5} {'us':>8} {'floor us':>8} {'GB/s':>6} {'err O_ref':>9} {'err C_ref':>9} {'err mass':>9}")
     for r in rows_out:
-        print(f"{r['kind']:5} {r['resident']:>3} {r['batch']:>2} {r['split']:>5} {r['us']:8.1f} {r['floor_us']:8.1f} {r['gbs']:6.0f} "
+        print(f"{r['kind']:11} {r['resident']:>3} {r['batch']:>2} {r['split']:>5} {r['us']:8.1f} {r['floor_us']:8.1f} {r['gbs']:6.0f} "
               f"{r['err_o_ref']:9.2e} {r['err_c_ref']:9.2e} {r['err_mass']:9.2e}")
 
 
@@ -200,8 +202,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--resident", type=int, nargs="+", default=[12],
-                    help="programs per SM the tensor-core kernel's split targets (gluon_pv.splits)")
+    ap.add_argument("--resident", type=int, nargs="*", default=None,
+                    help="programs per SM the tensor-core kernel's split targets (gluon_pv.splits; "
+                         "default gluon_pv.resident, per variant)")
+    ap.add_argument("--compact", type=lambda x: x.lower() in ("1", "true", "yes"), nargs="+", default=[False, True],
+                    help="COMPACT_KEYS variants of the tensor-core kernel to time (KernelConfig.pv_compact_keys)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     bench(ap.parse_args(argv))

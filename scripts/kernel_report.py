@@ -224,6 +224,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("sparse linear reference mma B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
                                                   config=mma))
+        compact = dataclasses.replace(mma, pv_compact_keys=True)  # gluon_pv's COMPACT_KEYS (opt-in)
+        run("sparse linear reference mma compact B4 32K",
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
+                                                  config=compact))
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear))
     if only in (None, "read"):

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import triton
 
+from flashloop_compile.lowering.kernels import gluon_pv as GPV
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -110,6 +112,10 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     assert mpv["spill_ops"] == 0 and mpv["mma"] == 64 and mpv["loads"].get("LDG.E.64", 0) >= 32, mpv
     assert mpv["warps_per_sm"] >= 12 and mpv["regs"] <= 168, mpv
     assert 2 * mpv["loop"] < 8 * pv["loop"], (mpv["loop"], pv["loop"])
+    # its COMPACT_KEYS variant (opt-in): the per-key work once per key, moved through shared memory
+    cpv = rows["sparse linear reference mma compact B4 32K [_mma_pv_kernel]"]
+    assert cpv["spill_ops"] == 0 and cpv["mma"] == 64 and cpv["loop"] < 0.9 * mpv["loop"], (cpv, mpv["loop"])
+    assert cpv["warps_per_sm"] >= GPV.resident(True), cpv
 
 
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():

@@ -561,7 +561,7 @@ def _(*args):
 @torch.library.custom_op(f"{LIB}::mma_linear_pv", mutates_args=("part_o", "part_mass"))
 def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_, lo: T_,
                    v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
-                   rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
+                   rows: T_, res_layout: T_, chunk: int, split: int, depth: int, compact_keys: bool) -> None:
     """The code-domain reference PV on tensor cores (kernels/gluon_pv.py, Gluon: opaque to
     Inductor), launched by sparse_decode.reference_attention_triton: fills the split partials
     part_o [split, 2 R, D] / part_mass [split, 2 R] as _pv_linear_kernel does. Registered on
@@ -569,7 +569,7 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
     from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
 
     launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk, split, depth)
+              v_res_scale, rows, res_layout, chunk, split, depth, compact_keys=compact_keys)
 
 
 @_mma_linear_pv.register_fake
@@ -580,13 +580,14 @@ def _(*args):
 @torch.library.custom_op(f"{LIB}::mma_linear_decode_pv", mutates_args=("part_o", "part_mass"))
 def _mma_linear_decode_pv(scores: T_, v: T_, part_m: T_, part_l: T_, part_o: T_, part_mass: T_, lo: T_,
                           v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
-                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
+                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int, compact_keys: bool) -> None:
     """mma_linear_pv for decode (sparse_decode.linear_decode_triton): no selection, the
     probabilities formed from the scaled scores and their split partials part_m / part_l [R, split_a]."""
     from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
 
     launch_pv(scores, v, None, None, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l)
+              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l,
+              compact_keys=compact_keys)
 
 
 @_mma_linear_decode_pv.register_fake

@@ -303,7 +303,8 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
         _assert_keys_mostly_shared(mma_out, other)
 
 
-def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
+@pytest.mark.parametrize("compact_keys", [False, True], ids=["default", "compact_keys"])
+def test_mma_pv_matches_the_tl_pv_kernel(compact_keys, monkeypatch):
     # gluon_pv (the code-domain reference PV on tensor cores, session 14) against _pv_linear_kernel
     # after the same scores and selection: 4 x 8K ragged, token-sparse residuals, the window
     # included. The selection is the same (keys, counts equal); O_ref / C_ref carry W's fp16
@@ -320,7 +321,8 @@ def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
     monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
     monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=False))
     tl_out = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=True))
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=True,
+                                                                  pv_compact_keys=compact_keys))
     assert gluon_pv.fits(args[0], D, c.group_size, 1)
     mma_out = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",

@@ -60,8 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels import gluon_scores
-from flashloop_compile.lowering.kernels import gluon_pv
+from flashloop_compile.lowering.kernels import gluon_pv, gluon_scores
 from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import (
     _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
@@ -869,6 +868,10 @@ class KernelConfig:
     # 14: per site 119 vs 217 us at B4 x 32K, 41 vs 65 us at B1; the 4x32K step 28.54 vs 30.85 ms,
     # one process per config (benchmarks/RESULTS.md, session 14)
     pv_mma: bool = True
+    # gluon_pv's COMPACT_KEYS (opt-in, untimed): p and the selection test once per key, moved to the
+    # MMA's weight layout through shared memory (13% fewer instructions per tile, 11 instead of 12
+    # programs per SM at sm_90; bench_mma_pv.py --compact)
+    pv_compact_keys: bool = False
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
@@ -1177,7 +1180,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     block_n_pv = cfg.block_n_pv or cfg.block_n
     pv_mma = linear is not None and cfg.pv_mma and not _cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
     if pv_mma:  # one-warp programs
-        chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s)
+        chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s, gluon_pv.resident(cfg.pv_compact_keys))
     else:
         chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
     e_total = (f + 1) * rows
@@ -1190,7 +1193,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         torch.ops.flashloop.mma_linear_pv(
             probs, v if v.stride(3) == 1 else v.contiguous(), thr[0], cut[0], part_o, part_mass, lo,
             v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-            chunk_c, split_c, depth)
+            chunk_c, split_c, depth, cfg.pv_compact_keys)
     elif linear is not None:
         launch(_pv_linear_kernel, (b * hkv, split_c))(
             probs, v, thr, cut, part_o, part_mass, lo,
@@ -1267,13 +1270,13 @@ def linear_decode_triton(q, k, v, mask, scale, linear, out, *, config: KernelCon
         q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(), mask_full,
         scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min, k_res_scale,
         rows_map, res_layout, float(scale), chunk_a, split_a, depth)
-    chunk_c, split_c = gluon_pv.splits(sm_count(dev), rows, s)
+    chunk_c, split_c = gluon_pv.splits(sm_count(dev), rows, s, gluon_pv.resident(cfg.pv_compact_keys))
     part_o = torch.empty(split_c, 2 * rows, d, dtype=torch.float32, device=dev)
     part_mass = torch.empty(split_c, 2 * rows, dtype=torch.float32, device=dev)
     torch.ops.flashloop.mma_linear_decode_pv(
         scores, v if v.stride(3) == 1 else v.contiguous(), part_m, part_l, part_o, part_mass, lo,
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-        chunk_c, split_c, depth)
+        chunk_c, split_c, depth, cfg.pv_compact_keys)
     o32 = torch.empty(rows, d, dtype=torch.float32, device=dev)  # (the combine's FP32 copies: unused)
     c32 = torch.empty(rows, d, dtype=torch.float32, device=dev)
     m32 = torch.empty(rows, dtype=torch.float32, device=dev)
