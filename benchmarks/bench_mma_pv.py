@@ -21,6 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import copy_bandwidth_gbs, cuda_times, graph_of  # noqa: E402
 
 from flashloop_compile.lowering.kernels import gluon_pv as GP  # noqa: E402
 from flashloop_compile.lowering.kernels import sparse_decode as SD  # noqa: E402
@@ -133,20 +136,8 @@ def bench(args):
     dev = torch.device("cuda")
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    cms = []
-    for i in range(13):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            cms.append(e0.elapsed_time(e1))
-    copy_gbs = 2 * src.numel() / statistics.median(cms) / 1e6
-    del src, dst
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write of 1 GiB, median of 10)")
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     rows_out = []
     for B in args.batch:
         t = make_inputs(B, 16, args.seq, dev)
@@ -165,27 +156,10 @@ def bench(args):
             m = pm.double().sum(0)
             errs = {name: (got - want).abs().max().item() for name, got, want in
                     (("o_ref", o[:R], o_ref), ("c_ref", o[R:], c_ref), ("mass", m[:R], m_all), ("sel_mass", m[R:], m_sel))}
-            graph = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-                with torch.cuda.graph(graph, stream=s):
-                    fn()
-            torch.cuda.current_stream().wait_stream(s)
-            ms = []
-            for i in range(args.warmup + args.repeats):
-                flush.zero_()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                graph.replay()
-                e1.record()
-                torch.cuda.synchronize()
-                if i >= args.warmup:
-                    ms.append(e0.elapsed_time(e1))
+            ms = cuda_times(graph_of(fn), args.warmup, args.repeats, before=flush.zero_)
             us = statistics.median(ms) * 1000
-            row = dict(kind=kind + (" compact" if compact else ""), resident=resident, batch=B, seq=args.seq, split=split, us=us, **{f"err_{k}": v for k, v in errs.items()},
-                       o_ref_scale=o_ref.abs().max().item(), gbs=bytes_ / us / 1e3, copy_gbs=copy_gbs,
+            row = dict(kind=kind + (" compact" if compact else ""), resident=resident, batch=B, seq=args.seq,
+                       split=split, us=us, **{f"err_{k}": v for k, v in errs.items()}, o_ref_scale=o_ref.abs().max().item(), gbs=bytes_ / us / 1e3, copy_gbs=copy_gbs,
                        floor_us=bytes_ / copy_gbs / 1e3)
             rows_out.append(row)
             print(json.dumps(row), flush=True)

@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import copy_bandwidth_gbs, cuda_times  # noqa: E402
 
 from flashloop_compile.lowering.kernels import gluon_scores as GS  # noqa: E402
 from flashloop_compile.lowering.kernels import sparse_decode as SD  # noqa: E402
@@ -142,20 +145,8 @@ def bench(args):
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     rows_out = []
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    cms = []
-    for i in range(13):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        dst.copy_(src)
-        e1.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            cms.append(e0.elapsed_time(e1))
-    copy_gbs = 2 * src.numel() / statistics.median(cms) / 1e6
-    del src, dst
-    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write of 1 GiB, median of 10)")
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s (read + write)")
     for B in args.batch:
         t = make_inputs(B, 16, args.seq, dev)
         scale = float(HEAD_DIM) ** -0.5
@@ -178,16 +169,7 @@ def bench(args):
             lse = torch.logsumexp(ref, 1)
             got = (pm + torch.log(pl)).double()
             lse_err = (torch.logsumexp(got, 1) - lse).abs().max().item()
-            ms = []
-            for i in range(args.warmup + args.repeats):
-                flush.zero_()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                fn()
-                e1.record()
-                torch.cuda.synchronize()
-                if i >= args.warmup:
-                    ms.append(e0.elapsed_time(e1))
+            ms = cuda_times(fn, args.warmup, args.repeats, before=flush.zero_)
             us = statistics.median(ms) * 1000
             row = dict(kind=kind, batch=B, seq=args.seq, split=split, us=us, max_abs_err=err, lse_err=lse_err,
                        inf_pattern_ok=inf_ok, gbs=bytes_ / us / 1e3, copy_gbs=copy_gbs,

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_times  # noqa: E402
+from common import cuda_times, graph_of  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_kv as K
@@ -119,18 +119,6 @@ def flush_l2(buf: torch.Tensor) -> None:
 
 def _times(fn, repeats: int, warmup: int, l2: torch.Tensor) -> list[float]:
     return cuda_times(fn, warmup, repeats, before=lambda: flush_l2(l2))
-
-
-def graph_of(fn):
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    return graph.replay
 
 
 def stats(times: list[float]) -> dict:

@@ -100,6 +100,20 @@ def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> di
     return {"median_ms": statistics.median(times), "p10_ms": times[len(times) // 10], "p90_ms": times[(9 * len(times)) // 10]}
 
 
+def graph_of(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured as a CUDA graph (run once outside the capture first: compiles, warms up);
+    returns the graph's replay."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return graph.replay
+
+
 def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     if not torch.cuda.is_available():
