@@ -177,7 +177,8 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("reference linear", {"reference": "linear"}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
       for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
-                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
+                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}),
+                        ("select_fused", {"select_fused": True}))],  # (session 14, opt-in: one launch per selection)
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
     # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
     # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window

@@ -224,6 +224,10 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("sparse linear reference mma B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
                                                   config=mma))
+        fused_select = dataclasses.replace(SD.DEFAULT_CONFIG, select_fused=True)  # _select_row_kernel (opt-in)
+        run("sparse linear reference fused select B4 32K",
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
+                                                  config=fused_select))
         compact = dataclasses.replace(mma, pv_compact_keys=True)  # gluon_pv's COMPACT_KEYS (opt-in)
         run("sparse linear reference mma compact B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,

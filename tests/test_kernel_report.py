@@ -112,6 +112,11 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     assert mpv["spill_ops"] == 0 and mpv["mma"] == 64 and mpv["loads"].get("LDG.E.64", 0) >= 32, mpv
     assert mpv["warps_per_sm"] >= 12 and mpv["regs"] <= 168, mpv
     assert 2 * mpv["loop"] < 8 * pv["loop"], (mpv["loop"], pv["loop"])
+    # KernelConfig.select_fused (opt-in): the selection as one launch, no spills
+    sel = rows["sparse linear reference fused select B4 32K [_select_row_kernel]"]
+    assert sel["spill_ops"] == 0, sel
+    assert not any(k.startswith("sparse linear reference fused select B4 32K [_select_") and not k.endswith("row_kernel]")
+                   for k in rows), sorted(rows)
     # its COMPACT_KEYS variant (opt-in): the per-key work once per key, moved through shared memory
     cpv = rows["sparse linear reference mma compact B4 32K [_mma_pv_kernel]"]
     assert cpv["spill_ops"] == 0 and cpv["mma"] == 64 and cpv["loop"] < 0.9 * mpv["loop"], (cpv, mpv["loop"])

@@ -339,6 +339,28 @@ def test_mma_pv_matches_the_tl_pv_kernel(compact_keys, monkeypatch):
     assert not torch.equal(mma_out[4], tl_out[4])  # O_ref carries W's fp16 rounding: the MMA path ran
 
 
+def test_the_fused_selection_equals_the_split_one_on_the_gpu(monkeypatch):
+    # KernelConfig.select_fused (session 14, opt-in): the reference's top-k in one program per row
+    # and one launch; the whole reference's outputs equal the split select's bit for bit (4 x 8K
+    # ragged, the code-domain path), eager and compiled
+    import dataclasses
+
+    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import sparse_decode as SD
+
+    torch._dynamo.reset()
+    c, args = _reference_case(15)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
+    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
+    split = torch.ops.flashloop.packed_reference_attention(*args)
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, select_fused=True))
+    fused = torch.ops.flashloop.packed_reference_attention(*args)
+    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
+                             fullgraph=True)(*args)
+    for name, x, y, z in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), fused, split, compiled):
+        assert torch.equal(x, y) and torch.equal(z, y), name
+
+
 @pytest.mark.parametrize("depth", [0, 1])
 def test_gluon_decode_matches_aten_and_the_fast_path(depth, monkeypatch):
     # FAST_DECODE["gluon"] (session 14): one-row decode through the reference's tensor-core kernels

@@ -431,6 +431,89 @@ def _select_compact_kernel(
 
 
 @triton.jit
+def _digit(i, KEYB: tl.constexpr, RADIX: tl.constexpr):
+    """(low bit, width) of digit i of the radix select (_radix_digits: the top digit first)."""
+    hi = KEYB - RADIX * i
+    lo = tl.maximum(hi - RADIX, 0)
+    return lo, hi - lo
+
+
+@triton.jit
+def _select_row_kernel(
+    p_ptr, pm_ptr, pl_ptr, kk_ptr, keys_ptr, thr_ptr, cut_ptr,
+    S, R, J, SPLIT_A, KMAX,
+    SPLIT_A_P2: tl.constexpr, NB: tl.constexpr, RADIX: tl.constexpr, KEYB: tl.constexpr, ND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The whole selection of one row in one program (KernelConfig.select_fused): what
+    _select_first_kernel, the _select_level_kernel levels and _select_compact_kernel compute with a
+    single chunk per row, in one launch instead of 2 + ND, with no histograms through memory. The
+    row is read once per digit (from L2). Same outputs bit for bit: probabilities in place of the
+    scores, keys (ascending), K* (thr) and the last tie taken (cut)."""
+    row = tl.program_id(0).to(tl.int64)
+    sa = tl.arange(0, SPLIT_A_P2)
+    pm = tl.load(pm_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=float("-inf"))
+    pl = tl.load(pl_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=0.0)
+    m = tl.max(pm, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # a row without visible keys: every v is -1 below
+    inv_l = 1.0 / tl.maximum(tl.sum(pl * tl.exp(pm - m), 0), 1e-30)
+    bins = tl.arange(0, NB)
+    lo0, _w0 = _digit(0, KEYB, RADIX)
+    hist0 = tl.zeros([NB], tl.int32)
+    for n0 in range(0, S, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        n_ok = n < S
+        s = tl.load(p_ptr + row * S + n, mask=n_ok, other=float("-inf"))
+        v = tl.where(s > float("-inf"), tl.exp(s - m) * inv_l, -1.0)
+        tl.store(p_ptr + row * S + n, v, mask=n_ok)
+        hist0 += tl.histogram((_prob_key(v) >> lo0) & (NB - 1), NB, mask=n_ok)
+    for j in range(J):
+        jr = j * R + row
+        k = tl.load(kk_ptr + jr)
+        pre = tl.zeros([], tl.int32)
+        rnk = k
+        h = hist0
+        for i in tl.static_range(1, ND):  # digit i - 1 fixed, digit i histogrammed inside its bucket
+            prev_lo, prev_w = _digit(i - 1, KEYB, RADIX)
+            cur_lo, _cw = _digit(i, KEYB, RADIX)
+            d, above = _pick_digit(h, rnk, NB)
+            pre = (pre << prev_w) | d
+            rnk = rnk - above
+            h = tl.zeros([NB], tl.int32)
+            for n0 in range(0, S, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                n_ok = n < S
+                key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
+                h += tl.histogram((key >> cur_lo) & (NB - 1), NB, mask=n_ok & ((key >> prev_lo) == pre))
+        _last_lo, last_w = _digit(ND - 1, KEYB, RADIX)
+        d, above = _pick_digit(h, rnk, NB)
+        kstar = (pre << last_w) | d  # the exact k-th largest key
+        need = rnk - above  # how many keys equal to K* are taken (lowest indices first)
+        kstar = tl.where(k > 0, kstar, 2147483647)
+        need = tl.where(k > 0, need, 0)
+        tl.store(thr_ptr + jr, kstar)
+        taken = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        cut = tl.full([], -1, tl.int32)
+        for n0 in range(0, S, BLOCK):
+            n = n0 + tl.arange(0, BLOCK)
+            n_ok = n < S
+            key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
+            eq = n_ok & (key == kstar)
+            eq_i = eq.to(tl.int32)
+            eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
+            tie_take = eq & (eq_rank < need)
+            take = (n_ok & (key > kstar)) | tie_take
+            take_i = take.to(tl.int32)
+            pos = taken + tl.cumsum(take_i, 0) - take_i
+            tl.store(keys_ptr + jr * KMAX + pos, n, mask=take & (pos < KMAX))
+            cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
+            ties += tl.sum(eq_i, 0)
+            taken += tl.sum(take_i, 0)
+        tl.store(cut_ptr + jr, cut, mask=cut >= 0)
+
+
+@triton.jit
 def _pv_kernel(
     p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr,
     S, HKV, R, R_GROUP, E_GROUP, E_TOTAL,
@@ -872,6 +955,10 @@ class KernelConfig:
     # MMA's weight layout through shared memory (13% fewer instructions per tile, 11 instead of 12
     # programs per SM at sm_90; bench_mma_pv.py --compact)
     pv_compact_keys: bool = False
+    # the top-k selection in one program per row and one launch (_select_row_kernel, opt-in,
+    # untimed) instead of 2 + digits launches of block_sel chunks: the same outputs bit for bit;
+    # the split select costs ~66 us per site at B4 x 32K in 5 dependent launches (1.58 ms/step)
+    select_fused: bool = False
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
@@ -1039,6 +1126,46 @@ def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig 
     return lo, torch.where(pos < S, pos, -1)
 
 
+def _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t, n_sm, cfg, launch, dev):
+    """The radix select over SPLIT_B programs per row (first, level and compact kernels): the
+    selected keys [F, B, Hq, T, KMAX] (-1 padded), K* and the last tie taken [F, rows]."""
+    nb = 1 << RADIX_BITS
+    want = cfg.split_sel or min(_cdiv(4 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
+    chunk_b, split_b = _split(s, cfg.block_sel, want)
+    hist0 = torch.empty(rows, split_b, nb, dtype=torch.int32, device=dev)
+    launch(_select_first_kernel, (rows, split_b))(
+        probs, part_m, part_l, hist0,
+        s, split_a, chunk_b, split_b,
+        SPLIT_A_P2=next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
+        num_warps=cfg.num_warps_sel,
+    )
+    above = torch.empty(f, rows, split_b, dtype=torch.int32, device=dev)  # written by the first level
+    hprev, pre_prev, rnk_prev = hist0, kk, kk  # pre/rnk unused at the first level
+    for level in range(1, len(digits)):
+        hcur = torch.empty(f, rows, split_b, nb, dtype=torch.int32, device=dev)
+        pre_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
+        rnk_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
+        launch(_select_level_kernel, (rows, split_b))(
+            probs, kk, hprev, hcur, pre_prev, rnk_prev, pre_cur, rnk_cur, above,
+            s, rows, f, chunk_b, split_b,
+            FIRST=level == 1, SHARED_PREV=level == 1,
+            PREV_LO=digits[level - 1][0], PREV_WIDTH=digits[level - 1][1], CUR_LO=digits[level][0],
+            NB=nb, BLOCK=cfg.block_sel,
+            num_warps=cfg.num_warps_sel,
+        )
+        hprev, pre_prev, rnk_prev = hcur, pre_cur, rnk_cur
+    keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
+    thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
+    cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
+    launch(_select_compact_kernel, (rows, split_b))(
+        probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut,
+        s, rows, f, chunk_b, split_b, kmax,
+        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=min(cfg.block_compact, cfg.block_sel),
+        num_warps=cfg.num_warps_compact,
+    )
+    return keys, thr, cut
+
+
 def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False,
                                config: KernelConfig | None = None, packed=None, linear=None):
     """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body.
@@ -1135,41 +1262,19 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
 
     # 2. radix select (probabilities written in place of the scores)
     digits = _radix_digits()
-    nb = 1 << RADIX_BITS
-    want = cfg.split_sel or min(_cdiv(4 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
-    chunk_b, split_b = _split(s, cfg.block_sel, want)
-    hist0 = torch.empty(rows, split_b, nb, dtype=torch.int32, device=dev)
-    launch(_select_first_kernel, (rows, split_b))(
-        probs, part_m, part_l, hist0,
-        s, split_a, chunk_b, split_b,
-        SPLIT_A_P2=next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
-        num_warps=cfg.num_warps_sel,
-    )
-    above = torch.empty(f, rows, split_b, dtype=torch.int32, device=dev)  # written by the first level
-    hprev, pre_prev, rnk_prev = hist0, kk, kk  # pre/rnk unused at the first level
-    for level in range(1, len(digits)):
-        hcur = torch.empty(f, rows, split_b, nb, dtype=torch.int32, device=dev)
-        pre_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
-        rnk_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
-        launch(_select_level_kernel, (rows, split_b))(
-            probs, kk, hprev, hcur, pre_prev, rnk_prev, pre_cur, rnk_cur, above,
-            s, rows, f, chunk_b, split_b,
-            FIRST=level == 1, SHARED_PREV=level == 1,
-            PREV_LO=digits[level - 1][0], PREV_WIDTH=digits[level - 1][1], CUR_LO=digits[level][0],
-            NB=nb, BLOCK=cfg.block_sel,
-            num_warps=cfg.num_warps_sel,
+    if cfg.select_fused:  # one program per row, one launch
+        keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
+        thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
+        cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
+        launch(_select_row_kernel, (rows,))(
+            probs, part_m, part_l, kk, keys, thr, cut,
+            s, rows, f, split_a, kmax,
+            SPLIT_A_P2=next_pow2(split_a), NB=1 << RADIX_BITS, RADIX=RADIX_BITS, KEYB=KEY_BITS, ND=len(digits),
+            BLOCK=cfg.block_sel, num_warps=cfg.num_warps_sel,
         )
-        hprev, pre_prev, rnk_prev = hcur, pre_cur, rnk_cur
-    keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
-    thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
-    cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
-    launch(_select_compact_kernel, (rows, split_b))(
-        probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut,
-        s, rows, f, chunk_b, split_b, kmax,
-        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=min(cfg.block_compact, cfg.block_sel),
-        num_warps=cfg.num_warps_compact,
-    )
-
+    else:
+        keys, thr, cut = _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
+                                       n_sm, cfg, launch, dev)
     # 3. O_ref, C_ref and mass in one pass over V, then the split combine
     e_group = (f + 1) * m_group
     block_e = max(16, next_pow2(min(e_group, 64)))
