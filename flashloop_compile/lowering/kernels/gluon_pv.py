@@ -144,8 +144,9 @@ if gluon is not None:
 
     @gluon.jit
     def _add_stream(acc, ymin, p2, grp1, y, scale_w, min_w):
-        """Adds one stream's tile to the running sums: acc [D, 8] (MMA) and ymin [BN, 8] (sum p_slot *
-        min per key and column), from its code bytes y [BN, D/2] (BYTES) and V parameter words."""
+        """Adds one stream's tile to the running sums: acc [D, 8] (MMA) and ymin [4, 8] (KSUM: sum of
+        p_slot * min per lane c and column), from its code bytes y [BN, D/2] (BYTES) and V parameter
+        words [BN] (KEYS)."""
         w = p2 * _group_half(scale_w, grp1)
         ymin += _key_sum(p2 * _group_half(min_w, grp1))
         # f = 2^(141 - e) for the largest entry's biased exponent e: max * f in [2^14, 2^15); 2^24 / f
