@@ -1008,6 +1008,14 @@ def _linear_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
     return min(128, max(32, _cdiv(cfg.waves_linear * n_sm, rows)))
 
 
+def _mma_scores_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
+    """Splits of the history per row for gluon_scores' kernel (4-warp programs, 56 registers):
+    _linear_splits, and at least 8 programs per SM. Session 13's op-level table (kernel alone,
+    32K, depth 1): B1 29.1 us at 66 splits against 38.9 at 33 (_linear_splits' 33) and 29.5 at
+    132; B4 flat from 16 to 132 splits (104-111 us), where this keeps 32."""
+    return min(128, max(_linear_splits(cfg, n_sm, rows), (8 * n_sm) // rows))
+
+
 def _split(total: int, block: int, want: int) -> tuple[int, int]:
     """(chunk, splits): `total` items in `splits` chunks of `chunk` (a multiple of `block`)."""
     want = max(1, min(int(want), _cdiv(total, block)))
@@ -1216,12 +1224,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     m_chunks = _cdiv(m_group, block_m)
     want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * m_chunks))
     bnl = cfg.block_n_linear
-    if linear is not None:
-        want = cfg.split_kv or _linear_splits(cfg, n_sm, b * hkv)
-    chunk_a, split_a = _split(s, bnl if linear is not None else cfg.block_n, want)
-    probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
-    part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
-    part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    scores_mma = False
     if linear is not None:
         if packed is not None:
             raise ValueError("reference_attention_triton: pass packed or linear, not both")
@@ -1230,8 +1233,15 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
             raise ValueError(f"the code-domain reference needs one query row per kv head, one key fraction, a "
                              f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
                              f"{tuple(q.shape)}, {hkv} kv heads, {len(fractions)} fractions, group {gp}")
+        scores_mma = cfg.scores_mma and not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth)
+        want = cfg.split_kv or (_mma_scores_splits if scores_mma else _linear_splits)(cfg, n_sm, b * hkv)
+    chunk_a, split_a = _split(s, bnl if linear is not None else cfg.block_n, want)
+    probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
+    part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    if linear is not None:
         nw = k.shape[2]
-        if cfg.scores_mma and not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth):
+        if scores_mma:
             # the code-domain scores on tensor cores (Gluon; an opaque op: wrap_triton analyses tl kernels)
             (k_base, k_base_min, k_base_scale, _vb, _vbm, _vbs, k_res, k_res_min, k_res_scale,
              _vr, _vrm, _vrs, rows_map, res_layout, *_geo) = largs
@@ -1365,7 +1375,7 @@ def linear_decode_triton(q, k, v, mask, scale, linear, out, *, config: KernelCon
                          f"block_n_linear {cfg.block_n_linear}")
     rows = b * hkv
     mask_full = mask.expand(b, hkv, 1, s)
-    chunk_a, split_a = _split(s, cfg.block_n_linear, cfg.split_kv or _linear_splits(cfg, sm_count(dev), rows))
+    chunk_a, split_a = _split(s, cfg.block_n_linear, cfg.split_kv or _mma_scores_splits(cfg, sm_count(dev), rows))
     scores = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
     part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
