@@ -300,6 +300,66 @@ def _pick_digit(h, rnk, NB: tl.constexpr):
 
 
 @triton.jit
+def _normalize_hist(p_row, pm_row, pl_row, SPLIT_A, start, end, lo,
+                    SPLIT_A_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Rewrites positions start..end - 1 of a row of scaled scores with their probabilities (the
+    row normalizer from the split partials pm_row / pl_row; -1.0 for invisible keys) and returns
+    the histogram [NB] of the probability keys' digit at lo."""
+    sa = tl.arange(0, SPLIT_A_P2)
+    pm = tl.load(pm_row + sa, mask=sa < SPLIT_A, other=float("-inf"))
+    pl = tl.load(pl_row + sa, mask=sa < SPLIT_A, other=0.0)
+    m = tl.max(pm, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # a row without visible keys: every v is -1 below
+    inv_l = 1.0 / tl.maximum(tl.sum(pl * tl.exp(pm - m), 0), 1e-30)
+    hist = tl.zeros([NB], tl.int32)
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        n_ok = n < end
+        s = tl.load(p_row + n, mask=n_ok, other=float("-inf"))
+        v = tl.where(s > float("-inf"), tl.exp(s - m) * inv_l, -1.0)
+        tl.store(p_row + n, v, mask=n_ok)
+        hist += tl.histogram((_prob_key(v) >> lo) & (NB - 1), NB, mask=n_ok)
+    return hist
+
+
+@triton.jit
+def _digit_hist(p_row, start, end, pre, prev_lo, cur_lo, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Histogram [NB] of the digit at cur_lo of the probability keys at positions start..end - 1
+    of a row whose higher digits (from prev_lo up) equal pre."""
+    hist = tl.zeros([NB], tl.int32)
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        n_ok = n < end
+        key = _prob_key(tl.load(p_row + n, mask=n_ok, other=-1.0))
+        hist += tl.histogram((key >> cur_lo) & (NB - 1), NB, mask=n_ok & ((key >> prev_lo) == pre))
+    return hist
+
+
+@triton.jit
+def _compact_range(p_row, keys_row, start, end, kstar, need, taken, ties, KMAX, BLOCK: tl.constexpr):
+    """Writes the selected positions in start..end - 1 (key > K*, or == K* among the first `need`
+    ties of the row) to keys_row at their ranks, given the keys taken and the ties seen before
+    start; returns the position of the last tie taken here (-1 if none)."""
+    cut = tl.full([], -1, tl.int32)
+    for n0 in range(start, end, BLOCK):
+        n = n0 + tl.arange(0, BLOCK)
+        n_ok = n < end
+        key = _prob_key(tl.load(p_row + n, mask=n_ok, other=-1.0))
+        eq = n_ok & (key == kstar)
+        eq_i = eq.to(tl.int32)
+        eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
+        tie_take = eq & (eq_rank < need)
+        take = (n_ok & (key > kstar)) | tie_take
+        take_i = take.to(tl.int32)
+        pos = taken + tl.cumsum(take_i, 0) - take_i
+        tl.store(keys_row + pos, n, mask=take & (pos < KMAX))
+        cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
+        ties += tl.sum(eq_i, 0)
+        taken += tl.sum(take_i, 0)
+    return cut
+
+
+@triton.jit
 def _select_first_kernel(
     p_ptr, pm_ptr, pl_ptr, hist_ptr,
     S, SPLIT_A, CHUNK, SPLIT,
@@ -307,24 +367,9 @@ def _select_first_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    sa = tl.arange(0, SPLIT_A_P2)
-    pm = tl.load(pm_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=float("-inf"))
-    pl = tl.load(pl_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=0.0)
-    m = tl.max(pm, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # a row without visible keys: every v is -1 below
-    inv_l = 1.0 / tl.maximum(tl.sum(pl * tl.exp(pm - m), 0), 1e-30)
-    hist = tl.zeros([NB], tl.int32)
     start = c * CHUNK
-    end = tl.minimum(start + CHUNK, S)
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        n_ok = n < end
-        s = tl.load(p_ptr + row * S + n, mask=n_ok, other=float("-inf"))
-        vis = s > float("-inf")
-        v = tl.where(vis, tl.exp(s - m) * inv_l, -1.0)
-        tl.store(p_ptr + row * S + n, v, mask=n_ok)
-        key = _prob_key(v)
-        hist += tl.histogram((key >> LO) & (NB - 1), NB, mask=n_ok)
+    hist = _normalize_hist(p_ptr + row * S, pm_ptr + row * SPLIT_A, pl_ptr + row * SPLIT_A, SPLIT_A, start,
+                           tl.minimum(start + CHUNK, S), LO, SPLIT_A_P2, NB, BLOCK)
     tl.store(hist_ptr + (row * SPLIT + c) * NB + tl.arange(0, NB), hist)
 
 
@@ -365,15 +410,8 @@ def _select_level_kernel(
         if not FIRST:
             mine_above += tl.load(above_ptr + jr * SPLIT + c)
         tl.store(above_ptr + jr * SPLIT + c, mine_above)
-        hist = tl.zeros([NB], tl.int32)
         start = c * CHUNK
-        end = tl.minimum(start + CHUNK, S)
-        for n0 in range(start, end, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            n_ok = n < end
-            key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
-            inside = n_ok & ((key >> PREV_LO) == pre)
-            hist += tl.histogram((key >> CUR_LO) & (NB - 1), NB, mask=inside)
+        hist = _digit_hist(p_ptr + row * S, start, tl.minimum(start + CHUNK, S), pre, PREV_LO, CUR_LO, NB, BLOCK)
         tl.store(hcur_ptr + (jr * SPLIT + c) * NB + bins, hist)
 
 
@@ -409,24 +447,9 @@ def _select_compact_kernel(
             taken += tl.load(above_ptr + jr * SPLIT + c2) + tl.sum(tl.where(bins > d, hc, 0), 0)
             ties += tl.sum(tl.where(bins == d, hc, 0), 0)
         taken += tl.minimum(ties, need)
-        cut = tl.full([], -1, tl.int32)
         start = c * CHUNK
-        end = tl.minimum(start + CHUNK, S)
-        for n0 in range(start, end, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            n_ok = n < end
-            key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
-            eq = n_ok & (key == kstar)
-            eq_i = eq.to(tl.int32)
-            eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
-            tie_take = eq & (eq_rank < need)
-            take = (n_ok & (key > kstar)) | tie_take
-            take_i = take.to(tl.int32)
-            pos = taken + tl.cumsum(take_i, 0) - take_i
-            tl.store(keys_ptr + jr * KMAX + pos, n, mask=take & (pos < KMAX))
-            cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
-            ties += tl.sum(eq_i, 0)
-            taken += tl.sum(take_i, 0)
+        cut = _compact_range(p_ptr + row * S, keys_ptr + jr * KMAX, start, tl.minimum(start + CHUNK, S), kstar, need,
+                             taken, ties, KMAX, BLOCK)
         tl.store(cut_ptr + jr, cut, mask=cut >= 0)
 
 
@@ -451,22 +474,9 @@ def _select_row_kernel(
     row is read once per digit (from L2). Same outputs bit for bit: probabilities in place of the
     scores, keys (ascending), K* (thr) and the last tie taken (cut)."""
     row = tl.program_id(0).to(tl.int64)
-    sa = tl.arange(0, SPLIT_A_P2)
-    pm = tl.load(pm_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=float("-inf"))
-    pl = tl.load(pl_ptr + row * SPLIT_A + sa, mask=sa < SPLIT_A, other=0.0)
-    m = tl.max(pm, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # a row without visible keys: every v is -1 below
-    inv_l = 1.0 / tl.maximum(tl.sum(pl * tl.exp(pm - m), 0), 1e-30)
-    bins = tl.arange(0, NB)
     lo0, _w0 = _digit(0, KEYB, RADIX)
-    hist0 = tl.zeros([NB], tl.int32)
-    for n0 in range(0, S, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        n_ok = n < S
-        s = tl.load(p_ptr + row * S + n, mask=n_ok, other=float("-inf"))
-        v = tl.where(s > float("-inf"), tl.exp(s - m) * inv_l, -1.0)
-        tl.store(p_ptr + row * S + n, v, mask=n_ok)
-        hist0 += tl.histogram((_prob_key(v) >> lo0) & (NB - 1), NB, mask=n_ok)
+    hist0 = _normalize_hist(p_ptr + row * S, pm_ptr + row * SPLIT_A, pl_ptr + row * SPLIT_A, SPLIT_A, 0, S, lo0,
+                            SPLIT_A_P2, NB, BLOCK)
     for j in range(J):
         jr = j * R + row
         k = tl.load(kk_ptr + jr)
@@ -479,12 +489,7 @@ def _select_row_kernel(
             d, above = _pick_digit(h, rnk, NB)
             pre = (pre << prev_w) | d
             rnk = rnk - above
-            h = tl.zeros([NB], tl.int32)
-            for n0 in range(0, S, BLOCK):
-                n = n0 + tl.arange(0, BLOCK)
-                n_ok = n < S
-                key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
-                h += tl.histogram((key >> cur_lo) & (NB - 1), NB, mask=n_ok & ((key >> prev_lo) == pre))
+            h = _digit_hist(p_ptr + row * S, 0, S, pre, prev_lo, cur_lo, NB, BLOCK)
         _last_lo, last_w = _digit(ND - 1, KEYB, RADIX)
         d, above = _pick_digit(h, rnk, NB)
         kstar = (pre << last_w) | d  # the exact k-th largest key
@@ -492,24 +497,8 @@ def _select_row_kernel(
         kstar = tl.where(k > 0, kstar, 2147483647)
         need = tl.where(k > 0, need, 0)
         tl.store(thr_ptr + jr, kstar)
-        taken = tl.zeros([], tl.int32)
-        ties = tl.zeros([], tl.int32)
-        cut = tl.full([], -1, tl.int32)
-        for n0 in range(0, S, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            n_ok = n < S
-            key = _prob_key(tl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0))
-            eq = n_ok & (key == kstar)
-            eq_i = eq.to(tl.int32)
-            eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
-            tie_take = eq & (eq_rank < need)
-            take = (n_ok & (key > kstar)) | tie_take
-            take_i = take.to(tl.int32)
-            pos = taken + tl.cumsum(take_i, 0) - take_i
-            tl.store(keys_ptr + jr * KMAX + pos, n, mask=take & (pos < KMAX))
-            cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
-            ties += tl.sum(eq_i, 0)
-            taken += tl.sum(take_i, 0)
+        zero = tl.zeros([], tl.int32)
+        cut = _compact_range(p_ptr + row * S, keys_ptr + jr * KMAX, 0, S, kstar, need, zero, zero, KMAX, BLOCK)
         tl.store(cut_ptr + jr, cut, mask=cut >= 0)
 
 
