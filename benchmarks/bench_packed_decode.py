@@ -182,9 +182,12 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
     # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
     # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window
-    # read for the ring and the step's token; within the bf16 tolerance of the first)
+    # read for the ring and the step's token; within the bf16 tolerance of the first): the tl kernel,
+    # and on tensor cores (KernelConfig.correction_mma, session 15: gluon_scores / gluon_pv's gather
+    # kernels, no BF16 copy of the selected keys; what PACKED_CORRECTION["linear"] runs)
     ("correction read then correct", {"correction": "read"}),
-    ("correction linear", {"correction": "linear"}),
+    ("correction linear", {"correction": "linear", "config": {"correction_mma": False}}),
+    ("correction linear mma", {"correction": "linear", "config": {"correction_mma": True}}),
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     # and the per-key-lane online softmax (KernelConfig.lane_corr)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})

@@ -41,6 +41,10 @@ def environment() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
+        # the run's kernel and graph choices beyond the defaults (FLASHLOOP_SPARSE_DECODE,
+        # FLASHLOOP_PACKED_CORRECTION, ...): a row says what it timed
+        "overrides": {k: v for k, v in sorted(os.environ.items())
+                      if k.startswith("FLASHLOOP_") and k != "FLASHLOOP_COMMIT"},
     }
 
 

@@ -133,3 +133,37 @@ def test_feature_config_through_inductor_matches_eager_rewrite(name):
     got = _generate_logits(model, make_backend(options, inner="inductor"), dynamic)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_code_domain_correction_form_equals_the_two_op_form(tiny_model, monkeypatch):
+    """tables.PACKED_CORRECTION["linear"] (opt-in): each loop-3/4 correction is one
+    flashloop.packed_correction_attention over the packed history instead of a compact packed_read
+    and a correction_attention. Its CPU body is that two-op form, so sparse decode + quantization
+    generates the same logits either way: the new op gets the pass's in-flight tokens, depth and
+    reference state in the right places (its CUDA body is checked against this form in
+    tests/gpu/test_packed_gpu.py)."""
+    import collections
+
+    from flashloop_compile.backend import make_backend
+    from flashloop_compile.lowering import tables
+    from flashloop_compile.passes.graph import op_name
+
+    options = {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True}
+    runs, ops = {}, {}
+    for linear in (False, True):
+        monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", linear)
+        inner = make_backend(options, inner="eager")
+        seen = ops[linear] = collections.Counter()
+
+        def backend(gm, example_inputs, inner=inner, seen=seen):
+            fn = inner(gm, example_inputs)  # rewrites gm in place
+            seen.update(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
+            return fn
+
+        runs[linear] = _generate_logits(tiny_model, backend, False, steps=3)
+    sites = 2 * tiny_model.config.num_hidden_layers  # loops 3 and 4 of the decode graph
+    assert ops[True]["flashloop.packed_correction_attention"] == sites, ops[True]
+    assert ops[True]["flashloop.correction_attention"] == 0 and ops[True]["flashloop.packed_read"] == 0
+    assert ops[False]["flashloop.correction_attention"] == sites and ops[False]["flashloop.packed_read"] == sites
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

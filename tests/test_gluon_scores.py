@@ -118,10 +118,13 @@ def test_the_op_is_registered_when_the_package_is_imported():
     import subprocess
     import sys
 
+    # (the same for the correction's gathered scores, session 15, and the op that launches them)
     run = subprocess.run([sys.executable, "-c", "import torch, flashloop_compile; "
-                          "print(torch.ops.flashloop.mma_linear_scores.default)"], capture_output=True, text=True,
+                          "print(torch.ops.flashloop.mma_linear_scores.default, torch.ops.flashloop.mma_gather_scores.default, "
+                          "torch.ops.flashloop.packed_correction_attention.default)"], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
-    assert run.returncode == 0 and "mma_linear_scores" in run.stdout, run.stderr[-2000:]
+    assert run.returncode == 0 and "mma_linear_scores" in run.stdout and "mma_gather_scores" in run.stdout, run.stderr[-2000:]
+    assert "packed_correction_attention" in run.stdout
 
 
 def test_the_op_level_benchmark_checks_against_fp64_scores():

@@ -35,6 +35,14 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   position of the row) read as above, plus the in-flight keys exactly. FP32 softmax and
   accumulation; query rows at position -1 give 0.
 
+- ``packed_correction_attention(q [B,Hq,T,D], keys [B,Hq,T,K] int32, count [B,Hq,T], mass,
+  o_ref, c_ref, inflight_positions, k_inflight, v_inflight, depth, <cache>, scale) -> out``: sparse
+  decode's correction at ``depth`` (``correction_attention``) over the history as ``packed_read``
+  returns it at the selected keys: equal to ``packed_read`` of ``selected_positions`` then
+  ``correction_attention`` over that compact read with ``local_keys`` (the kv_quant pass's default
+  form). Emitted instead when ``tables.PACKED_CORRECTION["linear"]``: its CUDA body scores and
+  weights the selected keys on their codes, without their BF16 copy.
+
 Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
 depth d passes only the tokens active at d, whose last position can lie far before the prompt's
 end; the boundary of a step is the same for every depth (the reference flushes all depths of a
@@ -57,12 +65,16 @@ __all__ = [
     "packed_read",
     "packed_attention",
     "packed_reference_attention",
+    "packed_correction_attention",
+    "selected_positions",
+    "local_keys",
     "no_inflight",
     "overlay_inflight",
     "packed_kv_write_aten",
     "packed_read_aten",
     "packed_attention_aten",
     "packed_reference_attention_aten",
+    "packed_correction_attention_aten",
 ]
 
 LIB = "flashloop"
@@ -198,6 +210,26 @@ def _attention_fake(q, k_inflight, v_inflight, q_positions, inflight_positions, 
     torch._check(k_inflight.shape == v_inflight.shape, lambda: "k_inflight and v_inflight shapes differ")
     torch._check(k_inflight.shape[0] == q.shape[0], lambda: "q and k_inflight batch differ")
     _check_positions("q_positions", q_positions, q.shape[0], q.shape[2])
+    _check_positions("inflight_positions", inflight_positions, q.shape[0], k_inflight.shape[2])
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _correction_fake(q, keys, count, mass, o_ref, c_ref, inflight_positions, k_inflight, v_inflight, depth, *rest):
+    *cache, scale = rest
+    B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
+    _check_depth(depth, R)
+    cdt, dev = cache[12].dtype, cache[0].device
+    torch._check(q.dim() == 4 and q.dtype == cdt and q.shape[3] == D and q.shape[0] <= B,
+                 lambda: f"q must be [B <= {B}, Hq, T, {D}] {cdt}, got {q.dtype} {tuple(q.shape)}")
+    torch._check(q.shape[1] % H == 0, lambda: f"query heads {q.shape[1]} must be a multiple of kv heads {H}")
+    torch._check(keys.dtype == torch.int32 and keys.dim() == 4 and keys.shape[:3] == q.shape[:3],
+                 lambda: f"keys must be [B, Hq, T, K] int32, got {keys.dtype} {tuple(keys.shape)}")
+    torch._check(count.shape == q.shape[:3] and mass.shape == q.shape[:3], lambda: "count and mass are [B, Hq, T]")
+    torch._check(o_ref.shape == q.shape and c_ref.shape == q.shape, lambda: "o_ref and c_ref are [B, Hq, T, D]")
+    torch._check(o_ref.dtype == torch.float32 and c_ref.dtype == torch.float32 and mass.dtype == torch.float32,
+                 lambda: "the reference state (mass, o_ref, c_ref) is FP32")
+    _check_tokens("k_inflight", k_inflight, B, H, D, cdt, dev)
+    _check_tokens("v_inflight", v_inflight, B, H, D, cdt, dev)
     _check_positions("inflight_positions", inflight_positions, q.shape[0], k_inflight.shape[2])
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -403,6 +435,38 @@ def packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_posit
     return out.to(q.dtype)
 
 
+def selected_positions(keys: Tensor, count: Tensor, kv_heads: int) -> Tensor:
+    """The positions a correction reads, per kv head: keys [B, Hq, T, K] (loop 2's selection, the
+    first count [B, Hq, T] valid) as [B, Hkv, (Hq/Hkv)*T*K] int64, -1 where unused. Query head hq
+    uses kv head hq // (Hq/Hkv), so a kv head's query heads are contiguous in ``keys``."""
+    b, hq, t, k = keys.shape
+    valid = torch.arange(k, device=keys.device) < count[..., None]
+    pos = torch.where(valid, keys.long(), torch.full_like(keys, -1, dtype=torch.long))
+    return pos.reshape(b, kv_heads, (hq // kv_heads) * t * k)
+
+
+def local_keys(keys: Tensor, kv_heads: int) -> Tensor:
+    """Indices [B, Hq, T, K] int32 of each query head's keys in the compact read of
+    :func:`selected_positions` (its kv head's row block (g, t, :) for query head g of the group)."""
+    b, hq, t, k = keys.shape
+    group = hq // kv_heads
+    idx = torch.arange(group * t * k, dtype=torch.int32, device=keys.device).view(group, t, k)
+    return idx.repeat(kv_heads, 1, 1)[None].expand(b, -1, -1, -1)
+
+
+def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, inflight_positions, k_inflight, v_inflight,
+                                     depth, *rest) -> Tensor:
+    """The correction over the packed history: packed_read of the selected keys, then
+    correction_attention over that compact read (the kv_quant pass's default two-op form)."""
+    from flashloop_compile.lowering.ops import _correction_attention_aten
+
+    *cache, scale = rest
+    kv_heads = cache[0].shape[1]
+    k_sel, v_sel = packed_read_aten(*cache, selected_positions(keys, count, kv_heads), depth, inflight_positions,
+                                    k_inflight, v_inflight)
+    return _correction_attention_aten(q, k_sel, v_sel, local_keys(keys, kv_heads), count, mass, o_ref, c_ref, scale)
+
+
 # ------------------------------------------------------------------------------------------------
 # ops
 # ------------------------------------------------------------------------------------------------
@@ -537,6 +601,44 @@ def _packed_reference_attention(
     return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
 
 
+@torch.library.triton_op(f"{LIB}::packed_correction_attention", mutates_args=())
+def _packed_correction_attention(
+    q: T_, keys: T_, count: T_, mass: T_, o_ref: T_, c_ref: T_,
+    inflight_positions: T_, k_inflight: T_, v_inflight: T_, depth: int,
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    scale: float,
+) -> Tensor:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    inflight = (inflight_positions, k_inflight, v_inflight)
+    if q.device.type != "cuda":
+        return torch.ops.flashloop.packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, *inflight,
+                                                                    depth, *cache, scale)
+    from flashloop_compile.lowering.kernels import sparse_decode as sd
+
+    K = _kernels()
+    hkv, D = k_base.shape[1], 2 * k_base.shape[3]
+    if q.shape[1] == hkv and q.shape[2] == 1 and not D & (D - 1):
+        # the selected keys below the window on their codes, a window of the ring and in-flight tokens read
+        lo, window = sd.linear_window(cache, depth, inflight_positions)
+        kw = torch.empty(q.shape[0], hkv, window.shape[1], D, dtype=k_tail.dtype, device=q.device)
+        vw = torch.empty_like(kw)
+        K.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton)
+        return sd.correction_linear_triton(q, kw, vw, keys, count, mass, o_ref, c_ref, scale, (cache, depth, lo),
+                                           wrap=True)
+    # several query rows or query heads per kv head: the compact read, then the correction over it
+    sel = selected_positions(keys, count, hkv)
+    shape = (q.shape[0], hkv, sel.shape[-1], D)
+    k_sel = torch.empty(shape, dtype=k_tail.dtype, device=q.device)
+    v_sel = torch.empty_like(k_sel)
+    K.launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=inflight, wrap=wrap_triton)
+    return sd.correction_attention_triton(q, k_sel, v_sel, local_keys(keys, hkv), count, mass, o_ref, c_ref, scale,
+                                          wrap=True)
+
+
 @torch.library.custom_op(f"{LIB}::mma_linear_scores", mutates_args=("probs", "part_m", "part_l"))
 def _mma_linear_scores(q: T_, k: T_, mask: T_, probs: T_, part_m: T_, part_l: T_, lo: T_,
                        k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
@@ -595,6 +697,43 @@ def _(*args):
     return None
 
 
+@torch.library.custom_op(f"{LIB}::mma_gather_scores", mutates_args=("scores", "part_m", "part_l"))
+def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_, part_l: T_, lo: T_,
+                       k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
+                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
+    """A code-domain correction's scores over loop 2's selected keys on tensor cores
+    (kernels/gluon_scores.py, Gluon: opaque to Inductor), launched by
+    sparse_decode.correction_linear_triton: fills scores [R, KMAX] and the split partials
+    part_m / part_l [R, split]. Registered on import, as mma_linear_scores."""
+    from flashloop_compile.lowering.kernels.gluon_scores import launch_gather_scores
+
+    launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
+                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth)
+
+
+@_mma_gather_scores.register_fake
+def _(*args):
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::mma_gather_pv", mutates_args=("part_m", "part_l", "part_acc"))
+def _mma_gather_pv(scores: T_, v: T_, keys: T_, count: T_, part_m: T_, part_l: T_, part_acc: T_, lo: T_,
+                   score_m: T_, score_l: T_, v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_,
+                   v_res_scale: T_, rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
+    """The same correction's probabilities times V over the selected keys on tensor cores
+    (kernels/gluon_pv.py): _correction_combine_kernel's partials part_m / part_l [R, split] and
+    part_acc [R, split, D]. Registered on import, as mma_linear_scores."""
+    from flashloop_compile.lowering.kernels.gluon_pv import launch_gather_pv
+
+    launch_gather_pv(scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l, v_base, v_base_min,
+                     v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, chunk, split, depth)
+
+
+@_mma_gather_pv.register_fake
+def _(*args):
+    return None
+
+
 # Opaque twins with the ATen bodies: what a CPU trace (torch.compile on CPU) records.
 def _twin_schema(op) -> str:
     schema = str(op._opoverload._schema)
@@ -614,17 +753,23 @@ _packed_reference_aten_op = torch.library.custom_op(
     f"{LIB}::packed_reference_attention_aten", packed_reference_attention_aten, mutates_args=(),
     schema=_twin_schema(_packed_reference_attention),
 )
+_packed_correction_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_correction_attention_aten", packed_correction_attention_aten, mutates_args=(),
+    schema=_twin_schema(_packed_correction_attention),
+)
 
 for _op, _aten, _fake in (
     (_packed_kv_write, packed_kv_write_aten, _write_fake),
     (_packed_read, packed_read_aten, _read_fake),
     (_packed_attention, packed_attention_aten, _attention_fake),
     (_packed_reference_attention, packed_reference_attention_aten, _reference_fake),
+    (_packed_correction_attention, packed_correction_attention_aten, _correction_fake),
 ):
     _op.register_kernel("cpu")(_aten)
     _op.register_fake(_fake)
 for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_op, _read_fake),
-                   (_packed_attention_aten_op, _attention_fake), (_packed_reference_aten_op, _reference_fake)):
+                   (_packed_attention_aten_op, _attention_fake), (_packed_reference_aten_op, _reference_fake),
+                   (_packed_correction_aten_op, _correction_fake)):
     _op.register_fake(_fake)
 
 
@@ -659,6 +804,17 @@ def packed_reference_attention(
     return torch.ops.flashloop.packed_reference_attention(
         q, *inflight, int(depth), *cache.op_tensors(layer), mask, float(scale), list(fractions), list(capacities)
     )
+
+
+def packed_correction_attention(
+    cache: PackedKVCache, layer: int, q: Tensor, keys: Tensor, count: Tensor, mass: Tensor, o_ref: Tensor,
+    c_ref: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, scale: float,
+) -> Tensor:
+    """Sparse decode's correction at ``depth`` over ``cache``'s history at the selected keys (keys
+    [B, Hq, T, K] of one key fraction, count valid; mass, o_ref, c_ref: loop 2's reference state),
+    this step's tokens ``inflight`` = (positions [B, Ti], k, v) exactly."""
+    return torch.ops.flashloop.packed_correction_attention(
+        q, keys, count, mass, o_ref, c_ref, *inflight, int(depth), *cache.op_tensors(layer), float(scale))
 
 
 def no_inflight(cache: PackedKVCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:

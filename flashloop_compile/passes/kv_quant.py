@@ -11,8 +11,11 @@ At each attention site (loop d, layer i) with an in-place cache:
   over the whole history at its depth (the packed tiles, the step's tokens in flight); a
   correction at loops 3..R (an op that takes K/V tensors) reads only the keys
   its reference selected, per kv head (``packed_read`` of [B, Hkv, P] positions, P = query heads
-  per kv head x query rows x key capacity), and indexes that compact read. Either way the step's
-  own tokens are their exact in-flight K/V (in-flight arguments: no merge after a read).
+  per kv head x query rows x key capacity), and indexes that compact read; with
+  ``tables.PACKED_CORRECTION["linear"]`` (opt-in) it becomes one
+  ``flashloop.packed_correction_attention`` instead, which reads the selected keys' codes itself
+  (no BF16 copy of them). Either way the step's own tokens are their exact in-flight K/V (in-flight
+  arguments: no merge after a read).
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
 in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
@@ -30,6 +33,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from flashloop_compile.lowering.packed_ops import local_keys, selected_positions
+from flashloop_compile.lowering.tables import PACKED_CORRECTION
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
 from flashloop_compile.passes.manager import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
@@ -51,25 +56,6 @@ def scatter_tokens(base: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) 
     """base [B, H, T, D] with tokens index[b, k] replaced by rows [B, H, K, D] (a new tensor)."""
     idx = index[:, None, :, None].expand(-1, base.shape[1], -1, base.shape[3])
     return torch.scatter(base, 2, idx, rows.to(base.dtype))
-
-
-def selected_positions(keys: torch.Tensor, count: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The positions a correction reads, per kv head: keys [B, Hq, T, K] (loop 2's selection, the
-    first count [B, Hq, T] valid) as [B, Hkv, (Hq/Hkv)*T*K] int64, -1 where unused. Query head hq
-    uses kv head hq // (Hq/Hkv), so a kv head's query heads are contiguous in ``keys``."""
-    b, hq, t, k = keys.shape
-    valid = torch.arange(k, device=keys.device) < count[..., None]
-    pos = torch.where(valid, keys.long(), torch.full_like(keys, -1, dtype=torch.long))
-    return pos.reshape(b, kv_heads, (hq // kv_heads) * t * k)
-
-
-def local_keys(keys: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Indices [B, Hq, T, K] int32 of each query head's keys in the compact read of
-    :func:`selected_positions` (its kv head's row block (g, t, :) for query head g of the group)."""
-    b, hq, t, k = keys.shape
-    group = hq // kv_heads
-    idx = torch.arange(group * t * k, dtype=torch.int32, device=keys.device).view(group, t, k)
-    return idx.repeat(kv_heads, 1, 1)[None].expand(b, -1, -1, -1)
 
 
 class KVResidualQuantizationPass(FlashLoopPass):
@@ -98,8 +84,9 @@ class KVResidualQuantizationPass(FlashLoopPass):
             f"{n} cache writes -> flashloop.packed_kv_write (INT4 base at loop 1, INT4 residuals at loops "
             f"2..{structure.num_loops}, group {q.group_size}, BF16 tail {q.tail}..{q.tail + q.group_size - 1})",
             f"{n} attention sites read the packed cache directly (flashloop.packed_attention; under sparse decode "
-            f"the loop-2 reference becomes flashloop.packed_reference_attention, its corrections read the selected "
-            f"keys through flashloop.packed_read)",
+            f"the loop-2 reference becomes flashloop.packed_reference_attention, its corrections "
+            + ("flashloop.packed_correction_attention over the selected keys' codes)" if PACKED_CORRECTION["linear"]
+               else "read the selected keys through flashloop.packed_read)"),
         ]
 
     def apply(self, gm: fx.GraphModule, structure: LoopStructure) -> int:
@@ -148,6 +135,17 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 consumer.replace_all_uses_with(out)
                 graph.erase_node(consumer)
                 ctx.replaced[site.node] = out
+                after = out
+            elif name == "flashloop.correction_attention" and PACKED_CORRECTION["linear"]:
+                # one op over the packed history: the selected keys on their codes, no BF16 copy
+                q_c, _k, _v, keys, count, mass, o_ref, c_ref, scale = consumer.args
+                with graph.inserting_before(consumer):
+                    out = graph.call_function(
+                        torch.ops.flashloop.packed_correction_attention.default,
+                        (q_c, keys, count, mass, o_ref, c_ref, all_pos, k_in, v_in, d) + cache_args + (scale,),
+                    )
+                consumer.replace_all_uses_with(out)
+                graph.erase_node(consumer)
                 after = out
             elif name == "flashloop.correction_attention":
                 keys, count = consumer.args[3], consumer.args[4]

@@ -361,6 +361,52 @@ def test_the_fused_selection_equals_the_split_one_on_the_gpu(monkeypatch):
         assert torch.equal(x, y) and torch.equal(z, y), name
 
 
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+@pytest.mark.parametrize("depth", [2, 3])
+def test_the_code_domain_correction_matches_read_then_correct(depth, order, monkeypatch):
+    # tables.PACKED_CORRECTION["linear"] (session 15, written without a GPU): the CUDA body of
+    # flashloop.packed_correction_attention -- loop 2's selected keys scored and weighted on their
+    # codes, on tensor cores (gluon_scores / gluon_pv's gather kernels, KernelConfig.correction_mma)
+    # and with the tl kernel (_correction_linear_kernel) -- against its ATen body (read, then
+    # correct) and the default CUDA two-op form (compact packed_read + correction_attention), eager
+    # and compiled: 4 x 8K ragged with token-sparse residuals at every depth, loop 2's selection
+    # (fraction 0.1) from the packed reference, a loop-3/4 query and in-flight token; the keys in
+    # the selection's ascending order and shuffled (the kernels take any order)
+    import dataclasses
+
+    from flashloop_compile.lowering.kernels import sparse_decode as SD
+
+    torch._dynamo.reset()
+    c, args = _reference_case(16 + depth)
+    q, ip, fk, fv = args[:4]
+    _out, keys, count, mass, o_ref, c_ref = torch.ops.flashloop.packed_reference_attention(*args)
+    keys, count, mass, c_ref = keys[0], count[0], mass[0], c_ref[0]
+    g = torch.Generator(device="cuda").manual_seed(depth)
+    if order == "shuffled":  # the valid prefix of each row in random order
+        valid = torch.arange(keys.shape[-1], device="cuda") < count[..., None]
+        rank = torch.where(valid, torch.rand(keys.shape, device="cuda", generator=g), 2.0)
+        keys = torch.gather(keys, -1, rank.argsort(-1))
+    q_d = (q.float() + 0.5 * torch.randn(q.shape, device="cuda", generator=g)).to(DT)  # this loop's query
+    k_d, v_d = (fk.float() * 1.5).to(DT), (fv.float() - 0.3).to(DT)  # this depth's in-flight token
+    cargs = (q_d, keys, count, mass, o_ref, c_ref, ip, k_d, v_d, depth, *c.op_tensors(0), D**-0.5)
+    ref = P.packed_correction_attention_aten(*cargs)
+    k_sel, v_sel = torch.ops.flashloop.packed_read(*c.op_tensors(0), P.selected_positions(keys, count, H), depth,
+                                                   ip, k_d, v_d)
+    two_op = torch.ops.flashloop.correction_attention(q_d, k_sel, v_sel, P.local_keys(keys, H), count, mass, o_ref,
+                                                      c_ref, D**-0.5)
+    got = {}
+    for mma in (False, True):
+        monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=mma))
+        assert SD.correction_mma_fits(q_d, c.group_size, depth)
+        got[mma] = torch.ops.flashloop.packed_correction_attention(*cargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a), backend="flashloop",
+                             fullgraph=True)(*cargs)  # (correction_mma: the last setting, True)
+    for name, x in (("tl", got[False]), ("mma", got[True]), ("compiled mma", compiled)):
+        for other in (ref, two_op):
+            torch.testing.assert_close(x.float(), other.float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
+    assert (keys[..., :1] >= 0).all() and not torch.equal(got[True], got[False])  # the tensor-core path ran
+
 @pytest.mark.parametrize("depth", [0, 1])
 def test_gluon_decode_matches_aten_and_the_fast_path(depth, monkeypatch):
     # FAST_DECODE["gluon"] (session 14): one-row decode through the reference's tensor-core kernels

@@ -70,6 +70,27 @@ def test_decode_quant_with_sparse_decode_counts():
     }
 
 
+
+def test_the_code_domain_correction_is_one_op_per_site(monkeypatch):
+    # tables.PACKED_CORRECTION["linear"] (opt-in): each correction becomes one
+    # flashloop.packed_correction_attention over the packed history, no compact packed_read
+    from flashloop_compile.lowering import tables
+
+    from flashloop_compile.passes import recognize
+
+    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", True)
+    gm = _decode_graph(tiny())
+    manager = PassManager(FlashLoopConfig.from_switches(False, True, True))
+    plan = manager.plan(recognize(gm))
+    manager.run(gm)
+    assert _counts(gm) == {
+        "flashloop.packed_attention": 2,
+        "flashloop.packed_reference_attention": 2,
+        "flashloop.packed_correction_attention": 4,
+        "flashloop.packed_kv_write": 8,
+    }
+    assert any("packed_correction_attention over the selected keys' codes" in line for line in plan), plan
+
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kv=st.integers(1, 2), t=st.integers(1, 3),
        k=st.integers(1, 6), seed=st.integers(0, 2**16))

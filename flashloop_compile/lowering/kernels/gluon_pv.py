@@ -33,6 +33,12 @@ operands (tests/test_gluon_pv.py) and its compile for sm_90 (tests/test_kernel_r
 GPU against the tl kernel (tests/gpu/test_packed_gpu.py). Launched from the opaque custom op
 ``flashloop::mma_linear_pv`` (packed_ops.py) when ``KernelConfig.pv_mma`` (the default since
 session 14: 1.8x per site at B4 x 32K, the 4x32K decode step 28.5 vs 30.9 ms; benchmarks/RESULTS.md).
+
+``_mma_pv_gather_kernel`` (session 15; ``flashloop::mma_gather_pv``) is the PV of a loop-3/4
+correction over loop 2's selected keys (``KernelConfig.correction_mma``): the same operands with
+each key's code row and V parameters gathered (V's parameters are per token, so any key order
+works), p = softmax over the selected set from the gathered scores' split partials, slot 0 only,
+partials for ``sparse_decode._correction_combine_kernel``. Compiled for sm_90, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ except ImportError:  # pragma: no cover - older triton: the tl kernel runs
 
 HEAD_DIM, GROUP, TILE = 128, 64, 64  # the one shape the layouts below are built for (V groups of 64 channels)
 WINDOW_TILE = 16  # keys per tile of the window's BF16 loop
+GATHER_RESIDENT = 10  # _mma_pv_gather_kernel's programs per SM (sm_90: 180-195 registers at depths 1-3)
 
 if gluon is not None:
     D = gl.constexpr(HEAD_DIM)
@@ -173,6 +180,45 @@ if gluon is not None:
         return gl.maximum(pv, 0.0)
 
     @gluon.jit
+    def _row_lse(pm_ptr, pl_ptr, row, SPLIT_A, SPLIT_P2: gl.constexpr):
+        """The row's log-sum-exp from the scores' split partials (max, sum of exp) at pm_ptr / pl_ptr
+        [R, SPLIT_A]; 0 for a row with no visible key."""
+        sp = gl.arange(0, SPLIT_P2, layout=SPL)
+        pm = gl.load(pm_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=float("-inf"))
+        pl = gl.load(pl_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=0.0)
+        mx = gl.max(pm, 0)
+        mx = gl.where(mx > float("-inf"), mx, 0.0)
+        tot = gl.sum(pl * gl.exp(pm - mx), 0)
+        return gl.where(tot > 0.0, mx + gl.log(tot), 0.0)
+
+    @gluon.jit
+    def _v_tables(v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, row, S, CAPT):
+        """Row ``row``'s V codes (base [S, D/2], residual rows [CAPT, D/2]) and their parameters as
+        one 32-bit word (two fp16 groups) per code row: (vb, vr, vbm, vbs, vrm, vrs)."""
+        words = gl.pointer_type(gl.int32)
+        return (v_base + row * S * (D // 2), v_res + row * CAPT * (D // 2),
+                (v_base_min + row * S * 2).to(words, bitcast=True), (v_base_scale + row * S * 2).to(words, bitcast=True),
+                (v_res_min + row * CAPT * 2).to(words, bitcast=True), (v_res_scale + row * CAPT * 2).to(words, bitcast=True))
+
+    @gluon.jit
+    def _slot_sums(acc, ymin, msum, slot: gl.constexpr):
+        """A slot's split sums from the running sums: sum p v per channel [D] (CH) -- out^T's row m is
+        channel 16 (m mod 8) + m // 8, odd channels carry 16 code, plus sum p min of the channel's
+        group -- and sum p."""
+        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+        cm = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, MMA)), 0)
+        c_of_m = 16 * (m % 8) + m // 8
+        unit = gl.where(c_of_m % 2 == 1, 0.0625, 1.0)
+        grp_m = gl.expand_dims(c_of_m // (D // 2), 1)
+        out = gl.sum(gl.where(cm == 2 * grp_m + slot, acc, 0.0), 1) * unit
+        out = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(out, [16, 8]), [1, 0]), [D]), CH)
+        cmin = gl.sum(ymin, 0)  # [8]: column 2 group + slot
+        c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, KSUM))
+        g1 = gl.arange(0, D, layout=CH) >= D // 2
+        out += gl.where(g1, gl.sum(gl.where(c8 == 2 + slot, cmin, 0.0), 0), gl.sum(gl.where(c8 == slot, cmin, 0.0), 0))
+        return out, gl.sum(gl.where(c8 == slot, gl.sum(msum, 0), 0.0), 0)
+
+    @gluon.jit
     def _mma_pv_kernel(
         p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr, lo_ptr,
         S, HKV, R, E_TOTAL, NW, svb, svh, svs, CHUNK,
@@ -198,21 +244,10 @@ if gluon is not None:
             thr = gl.load(thr_ptr + row)
             cut = gl.load(cut_ptr + row)
         lse = 0.0
-        if NORMALIZE:  # the row's log-sum-exp from the scores' split partials (0 for a row with none visible)
-            sp = gl.arange(0, SPLIT_P2, layout=SPL)
-            pm = gl.load(pm_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=float("-inf"))
-            pl = gl.load(pl_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=0.0)
-            mx = gl.max(pm, 0)
-            mx = gl.where(mx > float("-inf"), mx, 0.0)
-            tot = gl.sum(pl * gl.exp(pm - mx), 0)
-            lse = gl.where(tot > 0.0, mx + gl.log(tot), 0.0)
-        vb = v_base + row * S * (D // 2)
-        vr = v_res + row * CAPT * (D // 2)
-        # the V parameters as one 32-bit word (two fp16 groups) per code row
-        vbm = (v_base_min + row * S * 2).to(gl.pointer_type(gl.int32), bitcast=True)
-        vbs = (v_base_scale + row * S * 2).to(gl.pointer_type(gl.int32), bitcast=True)
-        vrm = (v_res_min + row * CAPT * 2).to(gl.pointer_type(gl.int32), bitcast=True)
-        vrs = (v_res_scale + row * CAPT * 2).to(gl.pointer_type(gl.int32), bitcast=True)
+        if NORMALIZE:
+            lse = _row_lse(pm_ptr, pl_ptr, row, SPLIT_A, SPLIT_P2)
+        vb, vr, vbm, vbs, vrm, vrs = _v_tables(v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, row, S,
+                                               CAPT)
         p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
         nk = gl.arange(0, BN, layout=KEYS)
         nc = gl.arange(0, BN, layout=PKEYS)
@@ -284,28 +319,103 @@ if gluon is not None:
             mw1 += ps
             yw0 += gl.sum(vt * gl.expand_dims(pa, 1), 0)
             yw1 += gl.sum(vt * gl.expand_dims(ps, 1), 0)
-        # out^T rows m -> channels: m = 8 (channel mod 16) + channel // 16; odd channels carry 16 code
-        m = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-        cm = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, MMA)), 0)
-        c_of_m = 16 * (m % 8) + m // 8
-        unit = gl.where(c_of_m % 2 == 1, 0.0625, 1.0)
-        grp_m = gl.expand_dims(c_of_m // (D // 2), 1)
-        out0 = gl.sum(gl.where(cm == 2 * grp_m, acc, 0.0), 1) * unit
-        out1 = gl.sum(gl.where(cm == 2 * grp_m + 1, acc, 0.0), 1) * unit
-        out0 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(out0, [16, 8]), [1, 0]), [D]), CH)
-        out1 = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(out1, [16, 8]), [1, 0]), [D]), CH)
-        cmin = gl.sum(ymin, 0)  # [8]: column 2 group + slot
-        cmass = gl.sum(msum, 0)
-        c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, KSUM))
-        g1 = ch >= D // 2
-        out0 += gl.where(g1, gl.sum(gl.where(c8 == 2, cmin, 0.0), 0), gl.sum(gl.where(c8 == 0, cmin, 0.0), 0)) + yw0
-        out1 += gl.where(g1, gl.sum(gl.where(c8 == 3, cmin, 0.0), 0), gl.sum(gl.where(c8 == 1, cmin, 0.0), 0)) + yw1
+        out0, mass0 = _slot_sums(acc, ymin, msum, 0)
+        out1, mass1 = _slot_sums(acc, ymin, msum, 1)
         o0 = pid_s * E_TOTAL + row  # [slot, row] in the 2 x R partial layout
         o1 = o0 + R
-        gl.store(po_ptr + o0 * D + ch, out0)
-        gl.store(po_ptr + o1 * D + ch, out1)
-        gl.store(pmass_ptr + o0, gl.sum(gl.where(c8 == 0, cmass, 0.0), 0) + gl.sum(mw0, 0))
-        gl.store(pmass_ptr + o1, gl.sum(gl.where(c8 == 1, cmass, 0.0), 0) + gl.sum(mw1, 0))
+        gl.store(po_ptr + o0 * D + ch, out0 + yw0)
+        gl.store(po_ptr + o1 * D + ch, out1 + yw1)
+        gl.store(pmass_ptr + o0, mass0 + gl.sum(mw0, 0))
+        gl.store(pmass_ptr + o1, mass1 + gl.sum(mw1, 0))
+
+
+    @gluon.jit
+    def _mma_pv_gather_kernel(
+        s_ptr, v_ptr, keys_ptr, count_ptr, pm_ptr, pl_ptr, pacc_ptr, lo_ptr, sm_ptr, sl_ptr,
+        S, HKV, KMAX, NW, svb, svh, svs, CHUNK, SPLIT, SPLIT_A,
+        v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, CAPT,
+        DEPTH: gl.constexpr, SPLIT_P2: gl.constexpr,
+    ):
+        """The PV product of a correction at depth DEPTH (one query row per kv head, row = b * HKV
+        + hk) over loop 2's selected keys keys_ptr [R, KMAX] (count_ptr[row] valid, any order):
+        the probabilities softmax(s) over the selected set, from the scores s_ptr [R, KMAX] and
+        their split partials sm_ptr / sl_ptr [R, SPLIT_A] (gluon_scores._mma_gather_scores_kernel),
+        times V at each key: below lo[b] on tensor cores as _mma_pv_kernel (one stream's codes
+        gathered per key, W = p * scale, column 2 * group; slot 0 only), from lo[b] on from the
+        window v_ptr [B, HKV, NW, D]. Per split of the list, _correction_combine_kernel's partials:
+        pm 0 (the probabilities are already normalized), pl the split's sum of p, pacc its sum of
+        p v."""
+        pid_bh = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = (pid_bh // HKV).to(gl.int64)
+        hk = (pid_bh % HKV).to(gl.int64)
+        row = pid_bh.to(gl.int64)
+        lse = _row_lse(sm_ptr, sl_ptr, row, SPLIT_A, SPLIT_P2)  # over the selected list
+        vb, vr, vbm, vbs, vrm, vrs = _v_tables(v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, row, S,
+                                               CAPT)
+        p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
+        jk = gl.arange(0, BN, layout=KEYS)
+        col = gl.expand_dims(gl.arange(0, 8, layout=COLS), 0)
+        grp1 = (col // 2) == 1
+        lo = gl.load(lo_ptr + b).to(gl.int32)
+        cnt = gl.minimum(gl.load(count_ptr + row), KMAX)
+        start = pid_s * CHUNK
+        end = gl.minimum(start + CHUNK, cnt)
+        key_row = keys_ptr + row * KMAX
+        s_row = s_ptr + row * KMAX
+        acc = gl.zeros([D, 8], gl.float32, layout=MMA)
+        ymin = gl.zeros([4, 8], gl.float32, layout=KSUM)
+        msum = gl.zeros([4, 8], gl.float32, layout=KSUM)
+        wn = gl.arange(0, BNW, layout=gl.SliceLayout(1, WIN))
+        ch = gl.arange(0, D, layout=CH)
+        v_row = v_ptr + b * svb + hk * svh
+        yw0 = gl.zeros([D], gl.float32, layout=CH)
+        mw0 = gl.zeros([BNW], gl.float32, layout=gl.SliceLayout(1, WIN))
+        for j0 in range(start, end, BN):
+            j = j0 + jk
+            ok = j < end
+            n = gl.load(key_row + j, mask=ok, other=0)
+            bulk = ok & (n < lo)
+            nc = gl.where(bulk, n, 0)
+            pa = gl.where(bulk, gl.exp(gl.load(s_row + j, mask=ok, other=float("-inf")) - lse), 0.0)
+            p2 = gl.where((col == 0) | (col == 2), gl.expand_dims(pa, 1), 0.0)  # slot 0 of both groups
+            msum += _key_sum(p2)
+            nb_ = gl.convert_layout(nc, gl.SliceLayout(1, BYTES), assert_trivial=True)  # int32 offsets (launcher)
+            hb = gl.convert_layout(bulk, gl.SliceLayout(1, BYTES), assert_trivial=True)
+            y = gl.load(vb + gl.expand_dims(nb_ * (D // 2), 1) + gl.expand_dims(p, 0),
+                        mask=gl.expand_dims(hb, 1) & gl.expand_dims(p >= 0, 0), other=0)
+            acc, ymin = _add_stream(acc, ymin, p2, grp1, y, gl.load(vbs + nc, mask=bulk, other=0),
+                                    gl.load(vbm + nc, mask=bulk, other=0))
+            for r in range(1, DEPTH + 1):  # residual r: gathered rows where present (a loop, not
+            # unrolled: the streams' gathers in flight at once spilled at depth 3)
+                rj = gl.load(rows + ((r - 1) * B + b) * S + nc, mask=bulk, other=-1)
+                has = rj >= 0
+                g = gl.load(res_layout + r) + gl.where(has, rj, 0)
+                gb = gl.convert_layout(g, gl.SliceLayout(1, BYTES), assert_trivial=True)
+                hb = gl.convert_layout(has, gl.SliceLayout(1, BYTES), assert_trivial=True)
+                y = gl.load(vr + gl.expand_dims(gb * (D // 2), 1) + gl.expand_dims(p, 0),
+                            mask=gl.expand_dims(hb, 1) & gl.expand_dims(p >= 0, 0), other=0)
+                acc, ymin = _add_stream(acc, ymin, p2, grp1, y, gl.load(vrs + g, mask=has, other=0),
+                                        gl.load(vrm + g, mask=has, other=0))
+        # keys from lo on: the window's BF16 rows (CUDA cores), a second pass over the split's list
+        # BNW keys at a time (out of the code loop: its registers)
+        for j0 in range(start, end, BNW):
+            jw = j0 + wn
+            okw = jw < end
+            nw_ = gl.load(key_row + jw, mask=okw, other=0)
+            idx = (nw_ - lo).to(gl.int64)
+            inw = okw & (nw_ >= lo) & (idx < NW)
+            if gl.sum(inw.to(gl.int32), 0) > 0:
+                vt = gl.load(v_row + gl.expand_dims(idx * svs, 1) + gl.expand_dims(ch, 0),
+                             mask=gl.expand_dims(inw, 1) & gl.expand_dims(ch >= 0, 0), other=0.0).to(gl.float32)
+                pw = gl.where(inw, gl.exp(gl.load(s_row + jw, mask=okw, other=float("-inf")) - lse), 0.0)
+                mw0 += pw
+                yw0 += gl.sum(vt * gl.expand_dims(pw, 1), 0)
+        out0, mass0 = _slot_sums(acc, ymin, msum, 0)
+        o = row * SPLIT + pid_s
+        gl.store(pacc_ptr + o * D + ch, out0 + yw0)
+        gl.store(pl_ptr + o, mass0 + gl.sum(mw0, 0))
+        gl.store(pm_ptr + o, 0.0)
 
 
 def fits(p: torch.Tensor, head_dim: int, group: int, depth: int) -> bool:
@@ -326,9 +436,10 @@ def resident(compact_keys: bool) -> int:
 
 
 def splits(n_sm: int, rows: int, s: int, resident: int = 12) -> tuple[int, int]:
-    """(chunk, split) of the history for rows one-warp programs: as many whole 64-key-tile chunks
-    per row as fill one wave of ``resident`` programs per SM (the kernel takes 168 registers: 12
-    one-warp programs per SM), at most one wave, so that no partial second wave trails."""
+    """(chunk, split) of s keys (the history, or a correction's selected list) for ``rows`` rows:
+    as many whole 64-key-tile chunks per row as fill one wave of ``resident`` programs per SM
+    (_mma_pv_kernel takes 168 registers: 12 one-warp programs per SM), at most one wave, so that
+    no partial second wave trails."""
     want = max(1, min((resident * n_sm) // rows, -(-s // TILE)))
     chunk = -(-(-(-s // want)) // TILE) * TILE
     return chunk, -(-s // chunk)
@@ -366,3 +477,30 @@ def launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_b
         DEPTH=depth, SELECT=select, NORMALIZE=normalize, SPLIT_P2=max(32, triton.next_power_of_2(split_a)),
         COMPACT_KEYS=compact_keys,
         num_warps=1)  # (maxnreg 144 or 128 spill at depth 1: 168 registers, 12 programs per SM)
+
+
+def launch_gather_pv(scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l, v_base, v_base_min,
+                     v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, chunk: int, split: int, depth: int,
+                     run=None):
+    """The body of ``flashloop::mma_gather_pv`` (registered in packed_ops.py): a correction's PV
+    over the selected keys keys [R, KMAX] (count [R] valid) with the probabilities formed from
+    scores [R, KMAX] and their split partials score_m / score_l [R, split_a]
+    (gluon_scores.launch_gather_scores), into sparse_decode._correction_combine_kernel's partials
+    part_m / part_l [R, split] and part_acc [R, split, D] (splits of ``chunk`` list entries, a
+    multiple of the tile). v: the window buffer [B, Hkv, NW, D] from lo[b] on (unit channel
+    stride); the cache's V tensors as packed_kv's. ``run`` as launch_pv's."""
+    run = run or _run
+    bsz, hkv, nw = v.shape[0], v.shape[1], v.shape[2]
+    cache_b, _, s, _ = v_base.shape
+    if chunk % TILE:
+        raise ValueError(f"launch_gather_pv: chunk {chunk} is not a multiple of the {TILE}-key tile")
+    if max(s, v_res.shape[2]) * (HEAD_DIM // 2) >= 2**31:
+        raise ValueError(f"launch_gather_pv: a row's codes ({s} or {v_res.shape[2]} rows of {HEAD_DIM // 2} bytes) "
+                         f"need 64-bit offsets; the kernel takes 32-bit ones")
+    split_a = score_m.shape[1]
+    return run(_mma_pv_gather_kernel, (bsz * hkv, split))(
+        scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l,
+        s, hkv, keys.shape[1], nw, v.stride(0), v.stride(1), v.stride(2), chunk, split, split_a,
+        v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, cache_b, v_res.shape[2],
+        DEPTH=depth, SPLIT_P2=max(32, triton.next_power_of_2(split_a)),
+        num_warps=1)

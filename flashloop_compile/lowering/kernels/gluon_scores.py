@@ -29,6 +29,12 @@ for sm_90. The launch is an opaque custom op (``flashloop::mma_linear_scores``, 
 Inductor's user-defined Triton kernel support (``wrap_triton``) analyses ``tl`` kernels, not Gluon
 ones. On by default since session 14 (``KernelConfig.scores_mma``): 1.9x per site, and the 4x32K
 decode step 30.8 ms against 34.1 ms with the tl kernel in the same device call (benchmarks/RESULTS.md).
+
+``_mma_gather_scores_kernel`` (session 15; ``flashloop::mma_gather_scores``) is the same product
+for a loop-3/4 correction over loop 2's selected keys (``KernelConfig.correction_mma``): a 64-key
+tile of the selection list spans several K blocks, so the MMA's 16 columns take q' of 16
+consecutive blocks and each key keeps its own block's column (docs/DESIGN.md, "The correction on
+the codes"). Compiled for sm_90, not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ except ImportError:  # pragma: no cover - older triton: the tl kernel runs
     gluon = None
 
 HEAD_DIM, GROUP, TILE, WARPS = 128, 64, 64, 4  # the one shape the layouts below are built for
+GATHER_RESIDENT = 3  # _mma_gather_scores_kernel's 4-warp programs per SM (sm_90: 114-146 registers at depths 1-3)
 
 if gluon is not None:
     D = gl.constexpr(HEAD_DIM)
@@ -72,6 +79,17 @@ if gluon is not None:
     # the window's BF16 rows [BN, D] (packed_read's buffer: a few tiles per row)
     WIN = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[WARPS, 1],
                                         order=[1, 0]))
+    # the gathered correction (_mma_gather_scores_kernel): q' of NCOL K blocks at once, [D, NCOL]; B_OP
+    # [128, 16]: Q_LOAD's bases and a register bit on the column 8
+    NCOL = gl.constexpr(16)
+    GP = gl.constexpr(GROUP)  # keys per K block
+    Q_COLS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0], [0, 8]],
+        lane_bases=[[32, 0], [64, 0], [0, 1], [0, 2], [0, 4]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[HEAD_DIM, 16]))
+    # the window rows of a gathered tile, 32 channels at a time: [BN, 32], 16 values per thread
+    WIN32 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[WARPS, 1],
+                                          order=[1, 0]))
 
     @gluon.jit
     def _nibbles(y):
@@ -117,6 +135,20 @@ if gluon is not None:
         """Code bytes [BN, D/2] (BYTES) of rows n of a codes table (0 where not ok)."""
         return gl.load(codes + gl.expand_dims(n.to(gl.int64) * (D // 2), 1) + gl.expand_dims(p, 0),
                        mask=gl.expand_dims(ok, 1) & gl.expand_dims(p >= 0, 0), other=0)
+
+    @gluon.jit
+    def _softmax_step(m_v, l_v, s):
+        """Per-key-lane online softmax: the running max and sum of exp after scores s (-inf: none)."""
+        m_new = gl.maximum(m_v, s)
+        alpha = gl.where(m_new > float("-inf"), gl.exp(m_v - m_new), 0.0)
+        return m_new, l_v * alpha + gl.where(m_new > float("-inf"), gl.exp(s - m_new), 0.0)
+
+    @gluon.jit
+    def _store_partials(pm_ptr, pl_ptr, m_v, l_v, at):
+        """The lanes' online-softmax state reduced to the split's (max, sum of exp), stored at ``at``."""
+        m_i = gl.max(m_v, 0)
+        gl.store(pm_ptr + at, m_i)
+        gl.store(pl_ptr + at, gl.sum(l_v * gl.exp(m_v - gl.where(m_i > float("-inf"), m_i, 0.0)), 0))
 
     @gluon.jit
     def _mma_scores_kernel(
@@ -167,10 +199,7 @@ if gluon is not None:
             s = (gl.max(acc, 1) + bias) * scale
             s = gl.where(gl.load(m_base + nn.to(gl.int64) * sms) != 0, s, float("-inf"))
             gl.store(s_ptr + row * S + nn, s)
-            m_new = gl.maximum(m_v, s)
-            alpha = gl.where(m_new > float("-inf"), gl.exp(m_v - m_new), 0.0)
-            l_v = l_v * alpha + gl.where(m_new > float("-inf"), gl.exp(s - m_new), 0.0)
-            m_v = m_new
+            m_v, l_v = _softmax_step(m_v, l_v, s)
         # the window: BF16 rows lo .. lo + NW - 1 of packed_read's buffer k_ptr [B, HKV, NW, D]
         wn = gl.arange(0, BN, layout=gl.SliceLayout(1, WIN))
         wd = gl.arange(0, D, layout=gl.SliceLayout(0, WIN))
@@ -188,15 +217,119 @@ if gluon is not None:
             s = gl.where(vis & in_buf, s, float("-inf"))
             gl.store(s_ptr + row * S + n, s, mask=n_ok)
             s = gl.convert_layout(s, KEYS)
-            m_new = gl.maximum(m_v, s)
-            alpha = gl.where(m_new > float("-inf"), gl.exp(m_v - m_new), 0.0)
-            l_v = l_v * alpha + gl.where(m_new > float("-inf"), gl.exp(s - m_new), 0.0)
-            m_v = m_new
-        m_i = gl.max(m_v, 0)
-        l_i = gl.sum(l_v * gl.exp(m_v - gl.where(m_i > float("-inf"), m_i, 0.0)), 0)
-        gl.store(pm_ptr + row * SPLIT + pid_s, m_i)
-        gl.store(pl_ptr + row * SPLIT + pid_s, l_i)
+            m_v, l_v = _softmax_step(m_v, l_v, s)
+        _store_partials(pm_ptr, pl_ptr, m_v, l_v, row * SPLIT + pid_s)
 
+
+    @gluon.jit
+    def _q_columns(a_ptr, cb):
+        """The B operand q' [D, NCOL]: column c the prepared row (D fp16, _prep_kernel's table) of K
+        block cb[c] at a_ptr (SliceLayout(0, Q_COLS); < 0: none, zeros), relabelled as
+        _codes_operand. Each thread loads 32 contiguous channels of two columns."""
+        ch = gl.arange(0, D, layout=gl.SliceLayout(1, Q_COLS))
+        ok = gl.expand_dims(ch >= 0, 1) & gl.expand_dims(cb >= 0, 0)
+        a = gl.load(a_ptr + gl.expand_dims(ch, 1) + gl.expand_dims(gl.maximum(cb, 0).to(gl.int64) * D, 0),
+                    mask=ok, other=0.0)
+        a = gl.reshape(gl.permute(gl.reshape(a, [4, 16, 2, NCOL]), [1, 0, 2, 3]), [D, NCOL])
+        return gl.convert_layout(a, B_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_gather_scores_kernel(
+        q_ptr, k_ptr, keys_ptr, count_ptr, s_ptr, pm_ptr, pl_ptr, lo_ptr, a_ptr, bias_ptr,
+        S, HKV, KMAX, scale, NW, sqb, sqh, skb, skh, sks, CHUNK, SPLIT,
+        k_base, k_res, rows, res_layout, B, NB, CAPT, ROWS,
+        DEPTH: gl.constexpr,
+    ):
+        """The scores of a correction at depth DEPTH (one query row per kv head, row = b * HKV + hk)
+        over loop 2's selected keys keys_ptr [R, KMAX] (the first count_ptr[row] valid, any order),
+        those below lo[b] on tensor cores: s_ptr [R, KMAX] (scaled scores at the keys' list
+        indices) and, per split of the list, the online-softmax partials (max, sum of exp).
+
+        A 64-key tile of the list spans several K blocks (64 keys, one scale and minimum per
+        channel each), so q' differs per key. The MMA's NCOL columns take q' (_prep_kernel's table
+        a_ptr, biases bias_ptr, as _mma_scores_kernel) of NCOL consecutive blocks blo .. blo +
+        NCOL - 1 (blo: the tile's lowest block not yet done; columns without a key load nothing)
+        and each key keeps its own block's column; a tile over more blocks takes more rounds
+        (sorted keys at 10%: about one), each key's codes are loaded in its round only. Keys from
+        lo[b] on come from the window k_ptr [B, HKV, NW, D] (packed_read of positions lo[b] ..)."""
+        pid_bh = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        b = (pid_bh // HKV).to(gl.int64)
+        hk = (pid_bh % HKV).to(gl.int64)
+        row = pid_bh.to(gl.int64)
+        kb = k_base + row * S * (D // 2)
+        kr = k_res + row * CAPT * (D // 2)
+        p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
+        jb = gl.arange(0, BN, layout=gl.SliceLayout(1, BYTES))
+        jk = gl.arange(0, BN, layout=KEYS)
+        colm = gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, MMA)), 0)  # [1, NCOL]
+        colq = gl.arange(0, NCOL, layout=gl.SliceLayout(0, Q_COLS))
+        q_row = q_ptr + b * sqb + hk * sqh
+        lo = gl.load(lo_ptr + b).to(gl.int32)
+        cnt = gl.minimum(gl.load(count_ptr + row), KMAX)
+        start = pid_s * CHUNK
+        end = gl.minimum(start + CHUNK, cnt)
+        key_row = keys_ptr + row * KMAX
+        a_row = a_ptr + row * NB * D
+        b_row = bias_ptr + row * NB
+        wj = gl.arange(0, BN, layout=gl.SliceLayout(1, WIN32))
+        wc = gl.arange(0, 32, layout=gl.SliceLayout(0, WIN32))
+        k_row = k_ptr + b * skb + hk * skh
+        m_v = gl.full([BN], float("-inf"), gl.float32, layout=KEYS)
+        l_v = gl.zeros([BN], gl.float32, layout=KEYS)
+        for j0 in range(start, end, BN):
+            # the tile's positions, in the accumulator's layout and (loaded again: L1 hits) the bytes'
+            j = j0 + jk
+            ok = j < end
+            n = gl.load(key_row + j, mask=ok, other=0)
+            bulk = ok & (n < lo)
+            nk = gl.where(bulk, n, 0)
+            blk = gl.where(bulk, n // GP, -1)
+            jj = j0 + jb
+            nb_ = gl.load(key_row + jj, mask=jj < end, other=0)
+            blk_b = gl.where((jj < end) & (nb_ < lo), nb_ // GP, -1)
+            # the biases per key (_prep_kernel's: the base's for every key, residual r's where present)
+            bias = gl.load(b_row + gl.maximum(blk, 0), mask=bulk, other=0.0)
+            for r in gl.static_range(1, DEPTH + 1):
+                has_k = gl.load(rows + ((r - 1) * B + b) * S + nk, mask=bulk, other=-1) >= 0
+                bias += gl.load(b_row + r * ROWS * NB + gl.maximum(blk, 0), mask=has_k, other=0.0)
+            sacc = gl.zeros([BN], gl.float32, layout=KEYS)
+            blo = gl.min(gl.where(bulk, blk, NB), 0)
+            while blo < NB:
+                hit = gl.expand_dims(blk - blo, 1) == colm  # [BN, NCOL]: each key's column this round
+                used = gl.convert_layout(gl.max(hit.to(gl.int32), 0), gl.SliceLayout(0, Q_COLS)) > 0
+                cb = gl.where(used, blo + colq, -1)
+                in_b = (blk_b >= blo) & (blk_b < blo + NCOL)
+                nbr = gl.where(in_b, nb_, 0)
+                acc = mma_v2(_codes_operand(_tile_bytes(kb, nbr, p, in_b)), _q_columns(a_row, cb),
+                             gl.zeros([BN, NCOL], gl.float32, layout=MMA))
+                for r in gl.static_range(1, DEPTH + 1):
+                    rj = gl.load(rows + ((r - 1) * B + b) * S + nbr, mask=in_b, other=-1)
+                    has = rj >= 0
+                    g = gl.load(res_layout + r) + gl.where(has, rj, 0)
+                    acc = mma_v2(_codes_operand(_tile_bytes(kr, g, p, has)), _q_columns(a_row + r * ROWS * NB * D, cb),
+                                 acc)
+                sacc += gl.sum(gl.where(hit, acc, 0.0), 1)
+                blo = gl.min(gl.where(bulk & (blk >= blo + NCOL), blk, NB), 0)
+            s = gl.where(bulk, (sacc + bias) * scale, float("-inf"))
+            # keys from lo on: the window's BF16 rows, 32 channels at a time
+            if gl.sum((ok & (n >= lo)).to(gl.int32), 0) > 0:
+                jw = j0 + wj
+                okw = jw < end
+                nw_ = gl.load(key_row + jw, mask=okw, other=0)
+                idx = (nw_ - lo).to(gl.int64)
+                inw = okw & (nw_ >= lo) & (idx < NW)
+                sw = gl.zeros([BN], gl.float32, layout=gl.SliceLayout(1, WIN32))
+                for c in gl.static_range(0, D, 32):
+                    kt = gl.load(k_row + gl.expand_dims(idx * sks, 1) + gl.expand_dims(c + wc, 0),
+                                 mask=gl.expand_dims(inw, 1) & gl.expand_dims(wc >= 0, 0), other=0.0).to(gl.float32)
+                    qc = gl.load(q_row + c + wc).to(gl.float32)
+                    sw += gl.sum(kt * gl.expand_dims(qc, 0), 1)
+                sw = gl.convert_layout(gl.where(inw, sw * scale, float("-inf")), KEYS)
+                s = gl.where(ok & (n >= lo), sw, s)
+            gl.store(s_ptr + row * KMAX + j, s, mask=ok)
+            m_v, l_v = _softmax_step(m_v, l_v, s)
+        _store_partials(pm_ptr, pl_ptr, m_v, l_v, row * SPLIT + pid_s)
 
 @triton.jit
 def _prep_kernel(q_ptr, sqb, sqh, k_base_min, k_base_scale, k_res_min, k_res_scale, a_ptr, bias_ptr,
@@ -249,6 +382,19 @@ def _run(kernel, grid):
     return kernel[grid]
 
 
+def _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb: int, cache_b: int, depth: int, run):
+    """_prep_kernel's tables for q [B, Hkv, 1, D]: q' [depth + 1, B * Hkv, nb, D] fp16 and the
+    biases [depth + 1, B * Hkv, nb] FP32, every K block and stream."""
+    bsz, hkv = q.shape[0], q.shape[1]
+    rows_n = bsz * hkv
+    a = torch.empty(depth + 1, rows_n, nb, HEAD_DIM, dtype=torch.float16, device=q.device)
+    bias = torch.empty(depth + 1, rows_n, nb, dtype=torch.float32, device=q.device)
+    run(_prep_kernel, (rows_n, triton.cdiv(nb, PREP_BLOCKS)))(
+        q, q.stride(0), q.stride(1), k_base_min, k_base_scale, k_res_min, k_res_scale, a, bias,
+        hkv, cache_b, nb, D=HEAD_DIM, DEPTH=depth, BLK=PREP_BLOCKS, num_warps=4)
+    return a, bias
+
+
 def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
                   k_res_scale, rows, res_layout, scale: float, chunk: int, split: int, depth: int, run=None):
     """The body of ``flashloop::mma_linear_scores`` (registered in packed_ops.py): fills probs
@@ -264,14 +410,34 @@ def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_b
     nb = s // GROUP
     capt = k_res.shape[2]  # [B, H, CAPT, D/2]
     rows_n = bsz * hkv
-    a = torch.empty(depth + 1, rows_n, nb, HEAD_DIM, dtype=torch.float16, device=q.device)
-    bias = torch.empty(depth + 1, rows_n, nb, dtype=torch.float32, device=q.device)
-    run(_prep_kernel, (rows_n, triton.cdiv(nb, PREP_BLOCKS)))(
-        q, q.stride(0), q.stride(1), k_base_min, k_base_scale, k_res_min, k_res_scale, a, bias,
-        hkv, cache_b, nb, D=HEAD_DIM, DEPTH=depth, BLK=PREP_BLOCKS, num_warps=4)
+    a, bias = _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb, cache_b, depth, run)
     return run(_mma_scores_kernel, (rows_n, split))(
         q, k, mask, probs, part_m, part_l, lo, a, bias,
         s, hkv, scale, k.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         mask.stride(0), mask.stride(1), mask.stride(3), chunk, split,
         k_base, k_res, rows, res_layout, cache_b, nb, capt, rows_n,
+        DEPTH=depth, num_warps=WARPS)
+
+
+def launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
+                         k_res_min, k_res_scale, rows, res_layout, scale: float, chunk: int, split: int, depth: int,
+                         run=None):
+    """The body of ``flashloop::mma_gather_scores`` (registered in packed_ops.py): a correction's
+    scores over the selected keys keys [R, KMAX] (count [R] valid, R = B * Hkv rows) at ``depth``
+    into scores [R, KMAX] and the split partials part_m / part_l [R, split] (splits of ``chunk``
+    list entries, a multiple of the tile). k: the window buffer [B, Hkv, NW, D] from lo[b] on
+    (unit channel stride), q [B, Hkv, 1, D] (unit channel stride), the cache tensors as
+    packed_kv's. ``run`` as launch_scores'."""
+    run = run or _run
+    bsz, hkv = q.shape[0], q.shape[1]
+    cache_b, _, s, _ = k_base.shape  # [B, H, S, D/2]
+    if chunk % TILE:
+        raise ValueError(f"launch_gather_scores: chunk {chunk} is not a multiple of the {TILE}-key tile")
+    nb = s // GROUP
+    rows_n = bsz * hkv
+    a, bias = _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb, cache_b, depth, run)
+    return run(_mma_gather_scores_kernel, (rows_n, split))(
+        q, k, keys, count, scores, part_m, part_l, lo, a, bias,
+        s, hkv, keys.shape[1], scale, k.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        chunk, split, k_base, k_res, rows, res_layout, cache_b, nb, k_res.shape[2], rows_n,
         DEPTH=depth, num_warps=WARPS)

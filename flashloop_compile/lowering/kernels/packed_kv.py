@@ -36,7 +36,6 @@ explicitly (the interpreter truncates float32 -> bfloat16).
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -1393,21 +1392,9 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 128))
 
 
-# Every launch table below, by its environment variable: lowering_key.py hashes them all into the
-# compile caches' key (a table is changed in place, never replaced).
-LAUNCH_TABLES: dict[str, dict] = {}
-
-
-def _with_overrides(defaults: dict, env: str) -> dict:
-    """``defaults`` updated from the JSON object in environment variable ``env`` (a run's launch
-    parameters without editing the defaults); a key the defaults do not have is an error, so a
-    stale or misspelt override cannot be silently ignored."""
-    over = json.loads(os.environ.get(env, "{}"))
-    unknown = sorted(set(over) - set(defaults))
-    if unknown:
-        raise ValueError(f"{env}: unknown launch parameters {unknown}; known: {sorted(defaults)}")
-    LAUNCH_TABLES[env] = table = {**defaults, **over}
-    return table
+# Every launch table below registers itself in tables.LAUNCH_TABLES (lowering_key.py hashes them all
+# into the compile caches' key; a table is changed in place, never replaced).
+from flashloop_compile.lowering.tables import LAUNCH_TABLES, with_overrides as _with_overrides  # noqa: E402,F401
 
 
 # Launch parameters of one-query-row decode (_decode_bulk_kernel for the flushed bulk, split

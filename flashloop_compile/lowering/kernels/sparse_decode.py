@@ -53,8 +53,6 @@ the lower index, invisible keys after all visible ones (so never taken while ``f
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 
 import torch
 import triton
@@ -948,19 +946,21 @@ class KernelConfig:
     # untimed) instead of 2 + digits launches of block_sel chunks: the same outputs bit for bit;
     # the split select costs ~66 us per site at B4 x 32K in 5 dependent launches (1.58 ms/step)
     select_fused: bool = False
+    # the code-domain correction (correction_linear_triton: opt-in, PACKED_CORRECTION["linear"]) on fp16
+    # tensor cores where it applies (gluon_scores._mma_gather_scores_kernel, gluon_pv._mma_pv_gather_kernel:
+    # CUDA sm_80+, head_dim 128, K blocks and V groups of 64) instead of _correction_linear_kernel
+    # (which lost 1.4-1.9x to read-then-correct, session 9). Written in session 15 without a GPU:
+    # compiled for sm_90, untimed, unchecked on the device
+    correction_mma: bool = True
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
     """KernelConfig() updated from the JSON object in environment variable ``env`` (a run's kernel
     choices without editing the defaults, e.g. '{"scores_mma": true}'; the compile caches see it:
     lowering_key.py hashes DEFAULT_CONFIG); a field KernelConfig does not have is an error."""
-    text = os.environ.get(env, "{}")
-    try:
-        over = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{env}: not JSON ({e}); give an object such as '{{\"scores_mma\": true}}'") from None
-    if not isinstance(over, dict):
-        raise ValueError(f"{env}: give a JSON object of KernelConfig fields, not {text!r}")
+    from flashloop_compile.lowering.tables import env_object
+
+    over = env_object(env, '{"scores_mma": true}')
     defaults = KernelConfig()
     known = {f.name for f in dataclasses.fields(KernelConfig)}
     unknown = sorted(set(over) - known)
@@ -1393,12 +1393,14 @@ def linear_decode_triton(q, k, v, mask, scale, linear, out, *, config: KernelCon
 
 def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, linear, *,
                              wrap: bool = False, config: KernelConfig | None = None):
-    """A correction over a packed history without a packed_read of the selected keys (opt-in,
-    not wired into the passes yet): ``linear`` = (cache tensors, depth, lo [B]) and window_k/v
+    """A correction over a packed history without a packed_read of the selected keys (opt-in:
+    packed_ops' ``packed_correction_attention``, which the kv_quant pass emits with
+    ``tables.PACKED_CORRECTION["linear"]``): ``linear`` = (cache tensors, depth, lo [B]) and window_k/v
     [B, Hkv, NW, D] as ``linear_window`` / ``packed_read`` give them for this correction's depth
     and step; keys [B, Hq, 1, KMAX] are loop 2's global positions (count valid). Equal to
     ``correction_attention`` over ``packed_read``'s K/V up to the compute-dtype rounding of K/V
-    (not applied to the keys below lo). One query row per kv head (``linear_fits``)."""
+    (not applied to the keys below lo). One query row per kv head (``linear_fits``). With
+    ``KernelConfig.correction_mma`` where ``correction_mma_fits``: on tensor cores (_correction_mma)."""
     launch = _Launcher(wrap)
     _check_runnable(q.device)
     cfg = _config_for(q.device, config)
@@ -1407,6 +1409,8 @@ def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_
     if hq != window_k.shape[1] or t != 1 or d & (d - 1):
         raise ValueError(f"the code-domain correction needs one query row per kv head and a power-of-two head_dim; "
                          f"got q {tuple(q.shape)}, {window_k.shape[1]} kv heads")
+    if cfg.correction_mma and correction_mma_fits(q, gp, depth):
+        return _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, launch)
     kmax = keys.shape[-1]
     rows = b * hq
     S = linear[0][0].shape[2]
@@ -1446,6 +1450,56 @@ def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_
             D=d, SPLIT_P2=next_pow2(split),
             num_warps=4,
         )
+    return out
+
+
+def correction_mma_fits(q, group: int, depth: int) -> bool:
+    """Whether the code-domain correction runs on tensor cores (KernelConfig.correction_mma): CUDA
+    sm_80+ (not the interpreter), one query row per kv head, head_dim 128, K blocks and V groups of 64."""
+    return (not _cpu_semantics(q.device) and q.shape[2] == 1
+            and gluon_scores.fits(q, q.shape[3], group, gluon_scores.TILE, depth)
+            and gluon_pv.fits(q, q.shape[3], group, depth))
+
+
+def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, launch):
+    """correction_linear_triton on tensor cores: the selected keys' scores (gluon_scores, split
+    partials), their probabilities times V (gluon_pv, the combine's partials), then
+    _correction_combine_kernel: O_ref - C_ref + m * local. No BF16 copy of the selected keys."""
+    b, hq, t, d = q.shape
+    dev = q.device
+    rows = b * hq
+    kmax = max(keys.shape[-1], 1)
+    n_sm = sm_count(dev)
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+     v_res, v_res_min, v_res_scale, rows_map, res_layout, *_geo) = largs
+    keys_c = keys.reshape(rows, keys.shape[-1]).to(torch.int32).contiguous()
+    count_c = count.reshape(rows).to(torch.int32).contiguous()
+    # one wave of each kernel's resident programs (whole 64-key tiles of the list per split)
+    chunk_a, split_a = gluon_pv.splits(n_sm, rows, kmax, gluon_scores.GATHER_RESIDENT)
+    scores = torch.empty(rows, kmax, dtype=torch.float32, device=dev)
+    score_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    score_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
+    torch.ops.flashloop.mma_gather_scores(
+        q if q.stride(3) == 1 else q.contiguous(), window_k if window_k.stride(3) == 1 else window_k.contiguous(),
+        keys_c, count_c, scores, score_m, score_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
+        k_res_scale, rows_map, res_layout, float(scale), chunk_a, split_a, depth)
+    chunk_c, split_c = gluon_pv.splits(n_sm, rows, kmax, gluon_pv.GATHER_RESIDENT)
+    pm = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
+    pl = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
+    pacc = torch.empty(rows, split_c, d, dtype=torch.float32, device=dev)
+    torch.ops.flashloop.mma_gather_pv(
+        scores, window_v if window_v.stride(3) == 1 else window_v.contiguous(), keys_c, count_c, pm, pl, pacc, lo,
+        score_m, score_l, v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
+        chunk_c, split_c, depth)
+    out = torch.empty_like(q)
+    launch(_correction_combine_kernel, (rows,))(
+        pm, pl, pacc, mass.reshape(rows).contiguous(), o_ref.reshape(rows, d).contiguous(),
+        c_ref.reshape(rows, d).contiguous(), out,
+        hq, 1, split_c,
+        *out.stride(),
+        D=d, SPLIT_P2=next_pow2(split_c),
+        num_warps=4,
+    )
     return out
 
 
