@@ -122,19 +122,26 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     assert cpv["spill_ops"] == 0 and cpv["mma"] == 64 and cpv["loop"] < 0.9 * mpv["loop"], (cpv, mpv["loop"])
     assert cpv["warps_per_sm"] >= GPV.resident(True), cpv
     # session 15: the code-domain correction on tensor cores (KernelConfig.correction_mma; opt-in through
-    # PACKED_CORRECTION["linear"]) at loops 3 and 4's depths: the gathered scores (4 warps; one MMA
-    # per 16 keys, 16 channels and stream, 16 q' columns: 2 n-tiles) and the gathered PV (one warp,
-    # the residual streams in a loop: unrolled, their gathers spilled at depth 3) without spills, at
-    # least the residency their splits assume (gluon_scores.GATHER_RESIDENT, gluon_pv.GATHER_RESIDENT)
+    # PACKED_CORRECTION["linear"]) at loops 3 and 4's depths: the gathered scores (4 warps; 16 MMAs per
+    # stream and warp: 16 keys x 8 channel steps x 2 n-tiles of the 16 q' columns; the residual
+    # streams in a runtime loop, which ptxas may unroll) and the gathered PV (one warp, the residual
+    # streams in a loop: unrolled, their gathers spilled at depth 3) without spills, at least the
+    # residency their splits assume (gluon_scores.GATHER_RESIDENT, gluon_pv.GATHER_RESIDENT); the
+    # scores with q' formed in the kernel (correction_prep_in_kernel) take it through shared memory
+    # (ldmatrix) and launch no _prep_kernel
     from flashloop_compile.lowering.kernels import gluon_scores as GS
 
     for d in (2, 3):
-        gsc = rows[f"sparse linear correction mma depth {d} B4 32K [_mma_gather_scores_kernel]"]
-        gpv = rows[f"sparse linear correction mma depth {d} B4 32K [_mma_pv_gather_kernel]"]
-        assert f"sparse linear correction mma depth {d} B4 32K [_correction_linear_kernel]" not in rows
-        assert gsc["spill_ops"] == 0 and gsc["mma"] == 16 * (d + 1), gsc
-        assert gsc["warps_per_sm"] >= 4 * GS.GATHER_RESIDENT, gsc
-        assert gpv["spill_ops"] == 0 and gpv["mma"] == 64 and gpv["warps_per_sm"] >= GPV.GATHER_RESIDENT, gpv
+        for label in ("", " prep in kernel"):
+            site = f"sparse linear correction mma{label} depth {d} B4 32K"
+            gsc = rows[f"{site} [_mma_gather_scores_kernel]"]
+            gpv = rows[f"{site} [_mma_pv_gather_kernel]"]
+            assert f"{site} [_correction_linear_kernel]" not in rows
+            assert (f"{site} [_prep_kernel]" in rows) == (label == ""), sorted(k for k in rows if site in k)
+            assert gsc["spill_ops"] == 0 and gsc["mma"] % 16 == 0 and gsc["mma"] >= 32, gsc
+            assert gsc["warps_per_sm"] >= 4 * GS.GATHER_RESIDENT, gsc
+            assert (gsc["loads"].get("LDSM.16.M88.4", 0) > 0) == (label != ""), gsc["loads"]
+            assert gpv["spill_ops"] == 0 and gpv["mma"] == 64 and gpv["warps_per_sm"] >= GPV.GATHER_RESIDENT, gpv
 
 
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():

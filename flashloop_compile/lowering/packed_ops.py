@@ -700,7 +700,8 @@ def _(*args):
 @torch.library.custom_op(f"{LIB}::mma_gather_scores", mutates_args=("scores", "part_m", "part_l"))
 def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_, part_l: T_, lo: T_,
                        k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
-                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
+                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int,
+                       prep_in_kernel: bool) -> None:
     """A code-domain correction's scores over loop 2's selected keys on tensor cores
     (kernels/gluon_scores.py, Gluon: opaque to Inductor), launched by
     sparse_decode.correction_linear_triton: fills scores [R, KMAX] and the split partials
@@ -708,7 +709,8 @@ def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_
     from flashloop_compile.lowering.kernels.gluon_scores import launch_gather_scores
 
     launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
-                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth)
+                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth,
+                         prep_in_kernel=prep_in_kernel)
 
 
 @_mma_gather_scores.register_fake

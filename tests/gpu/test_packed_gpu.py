@@ -369,9 +369,10 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
     # codes, on tensor cores (gluon_scores / gluon_pv's gather kernels, KernelConfig.correction_mma)
     # and with the tl kernel (_correction_linear_kernel) -- against its ATen body (read, then
     # correct) and the default CUDA two-op form (compact packed_read + correction_attention), eager
-    # and compiled: 4 x 8K ragged with token-sparse residuals at every depth, loop 2's selection
-    # (fraction 0.1) from the packed reference, a loop-3/4 query and in-flight token; the keys in
-    # the selection's ascending order and shuffled (the kernels take any order)
+    # and compiled, and with q' formed in the scores kernel (KernelConfig.correction_prep_in_kernel):
+    # 4 x 8K ragged with token-sparse residuals at every depth, loop 2's selection (fraction 0.1)
+    # from the packed reference, a loop-3/4 query and in-flight token; the keys in the selection's
+    # ascending order and shuffled (the kernels take any order)
     import dataclasses
 
     from flashloop_compile.lowering.kernels import sparse_decode as SD
@@ -394,18 +395,20 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
                                                    ip, k_d, v_d)
     two_op = torch.ops.flashloop.correction_attention(q_d, k_sel, v_sel, P.local_keys(keys, H), count, mass, o_ref,
                                                       c_ref, D**-0.5)
+    assert SD.correction_mma_fits(q_d, c.group_size, depth)
     got = {}
-    for mma in (False, True):
-        monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=mma))
-        assert SD.correction_mma_fits(q_d, c.group_size, depth)
-        got[mma] = torch.ops.flashloop.packed_correction_attention(*cargs)
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a), backend="flashloop",
-                             fullgraph=True)(*cargs)  # (correction_mma: the last setting, True)
-    for name, x in (("tl", got[False]), ("mma", got[True]), ("compiled mma", compiled)):
+    for name, over in (("tl", dict(correction_mma=False)), ("mma", {}),
+                       ("mma prep in kernel", dict(correction_prep_in_kernel=True))):
+        monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=True, **over))
+        got[name] = torch.ops.flashloop.packed_correction_attention(*cargs)
+        if name == "mma":
+            torch._dynamo.reset()
+            got["compiled mma"] = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a),
+                                                backend="flashloop", fullgraph=True)(*cargs)
+    for name, x in got.items():
         for other in (ref, two_op):
             torch.testing.assert_close(x.float(), other.float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
-    assert (keys[..., :1] >= 0).all() and not torch.equal(got[True], got[False])  # the tensor-core path ran
+    assert not torch.equal(got["mma"], got["tl"])  # the tensor-core path ran (q' in fp16)
 
 @pytest.mark.parametrize("depth", [0, 1])
 def test_gluon_decode_matches_aten_and_the_fast_path(depth, monkeypatch):

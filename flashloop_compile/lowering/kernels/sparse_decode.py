@@ -952,6 +952,10 @@ class KernelConfig:
     # (which lost 1.4-1.9x to read-then-correct, session 9). Written in session 15 without a GPU:
     # compiled for sm_90, untimed, unchecked on the device
     correction_mma: bool = True
+    # ... with q' and the biases formed in the gathered scores kernel per round (its PREP_IN_KERNEL: no
+    # _prep_kernel launch, no q' table written and read; 40% more instructions per round, sm_90).
+    # Opt-in, session 15, untimed
+    correction_prep_in_kernel: bool = False
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
@@ -1410,7 +1414,7 @@ def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_
         raise ValueError(f"the code-domain correction needs one query row per kv head and a power-of-two head_dim; "
                          f"got q {tuple(q.shape)}, {window_k.shape[1]} kv heads")
     if cfg.correction_mma and correction_mma_fits(q, gp, depth):
-        return _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, launch)
+        return _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, cfg, launch)
     kmax = keys.shape[-1]
     rows = b * hq
     S = linear[0][0].shape[2]
@@ -1461,7 +1465,7 @@ def correction_mma_fits(q, group: int, depth: int) -> bool:
             and gluon_pv.fits(q, q.shape[3], group, depth))
 
 
-def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, launch):
+def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, cfg, launch):
     """correction_linear_triton on tensor cores: the selected keys' scores (gluon_scores, split
     partials), their probabilities times V (gluon_pv, the combine's partials), then
     _correction_combine_kernel: O_ref - C_ref + m * local. No BF16 copy of the selected keys."""
@@ -1482,7 +1486,7 @@ def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scal
     torch.ops.flashloop.mma_gather_scores(
         q if q.stride(3) == 1 else q.contiguous(), window_k if window_k.stride(3) == 1 else window_k.contiguous(),
         keys_c, count_c, scores, score_m, score_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
-        k_res_scale, rows_map, res_layout, float(scale), chunk_a, split_a, depth)
+        k_res_scale, rows_map, res_layout, float(scale), chunk_a, split_a, depth, cfg.correction_prep_in_kernel)
     chunk_c, split_c = gluon_pv.splits(n_sm, rows, kmax, gluon_pv.GATHER_RESIDENT)
     pm = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
     pl = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
