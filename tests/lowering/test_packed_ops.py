@@ -311,3 +311,58 @@ def test_fake_contract_errors():
         torch.ops.flashloop.packed_reference_attention(q2, pos, k, k, 2, *meta, mask, 0.1, [0.1], [13])
     with pytest.raises(Exception, match=r"key capacity 200 must lie in 1..S=128"):
         torch.ops.flashloop.packed_reference_attention(q2, pos, k, k, 0, *meta, mask, 0.1, [0.1], [200])
+
+
+def test_the_correction_op_contract_errors():
+    # flashloop.packed_correction_attention (session 15): what its fake checks, on meta tensors
+    cache = PackedKVCache(1, 4, 1, 128, H, D, dtype=torch.bfloat16)
+    meta = [t.to("meta") for t in cache.op_tensors(0)]
+    k = torch.empty(1, H, 1, D, dtype=torch.bfloat16, device="meta")
+    ip = torch.empty(1, 1, dtype=torch.int64, device="meta")
+    q = torch.empty(1, H, 1, D, dtype=torch.bfloat16, device="meta")
+    keys = torch.empty(1, H, 1, 13, dtype=torch.int32, device="meta")
+    count = torch.empty(1, H, 1, dtype=torch.int32, device="meta")
+    mass = torch.empty(1, H, 1, dtype=torch.float32, device="meta")
+    ref = torch.empty(1, H, 1, D, dtype=torch.float32, device="meta")
+    ok = torch.ops.flashloop.packed_correction_attention(q, keys, count, mass, ref, ref, ip, k, k, 2, *meta, 0.1)
+    assert ok.shape == q.shape and ok.dtype == q.dtype
+    with pytest.raises(Exception, match=r"keys must be \[B, Hq, T, K\] int32"):
+        torch.ops.flashloop.packed_correction_attention(q, keys.long(), count, mass, ref, ref, ip, k, k, 2, *meta, 0.1)
+    with pytest.raises(Exception, match="depth must be in 0..3"):
+        torch.ops.flashloop.packed_correction_attention(q, keys, count, mass, ref, ref, ip, k, k, 4, *meta, 0.1)
+    with pytest.raises(Exception, match=r"reference state \(mass, o_ref, c_ref\) is FP32"):
+        torch.ops.flashloop.packed_correction_attention(q, keys, count, mass, ref.bfloat16(), ref, ip, k, k, 2, *meta,
+                                                        0.1)
+    odd = H + 1  # query heads that no kv-head grouping gives
+
+    def heads(t):
+        return t.new_empty((t.shape[0], odd) + tuple(t.shape[2:]))
+
+    with pytest.raises(Exception, match="multiple of kv heads"):
+        torch.ops.flashloop.packed_correction_attention(heads(q), heads(keys), heads(count), heads(mass), heads(ref),
+                                                        heads(ref), ip, k, k, 2, *meta, 0.1)
+
+
+def test_the_correction_op_equals_read_then_correct():
+    # its CPU body is the kv_quant pass's default two-op form: packed_read of the selected positions
+    # per kv head, then correction_attention over that compact read (GQA: 2 query heads per kv head)
+    from flashloop_compile.lowering import ops
+
+    cache = PackedKVCache(1, 4, 2, 192, H, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(15)
+    k, v = torch.randn(2, H, 150, D, generator=g), torch.randn(2, H, 150, D, generator=g)
+    pos = torch.stack([torch.arange(150), torch.where(torch.arange(150) < 90, torch.arange(150), -1)])
+    for d in range(3):
+        P.packed_kv_write(cache, 0, k * (1 + 0.5 * d), v - 0.2 * d, pos, d)
+    ip = torch.tensor([[150], [90]])
+    step = (ip, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
+    q = torch.randn(2, 2 * H, 1, D, generator=g)
+    mask = (torch.arange(192)[None, :] <= ip)[:, None, None, :]
+    _, keys, count, mass, o_ref, c_ref = P.packed_reference_attention(cache, 0, q, step, 1, mask, 0.125, [0.1], [20])
+    q3 = torch.randn(q.shape, generator=g)
+    got = P.packed_correction_attention(cache, 0, q3, keys[0], count[0], mass[0], o_ref, c_ref[0], step, 2, 0.125)
+    k_sel, v_sel = P.packed_read(cache, 0, P.selected_positions(keys[0], count[0], H), 2, inflight=step)
+    want = ops.correction_attention(q3, k_sel, v_sel, P.local_keys(keys[0], H), count[0], mass[0], o_ref, c_ref[0],
+                                    0.125)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, o_ref)  # the correction moved the output
