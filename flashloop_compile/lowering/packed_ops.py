@@ -66,6 +66,7 @@ __all__ = [
     "packed_attention",
     "packed_reference_attention",
     "packed_correction_attention",
+    "correction_on_codes",
     "selected_positions",
     "local_keys",
     "no_inflight",
@@ -481,6 +482,21 @@ def _kernels():
     return packed_kv
 
 
+def _read_window(cache: tuple, depth: int, inflight: tuple, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The code-domain kernels' window at ``depth``: (lo [B], k, v [B, Hkv, NW, D]) with the
+    positions lo[b] .. lo[b] + NW - 1 (the ring and this step's tokens, ``sparse_decode.linear_window``)
+    read as packed_read returns them; below lo[b] the kernels read the codes themselves."""
+    from flashloop_compile.lowering.kernels import sparse_decode as sd
+
+    lo, window = sd.linear_window(cache, depth, inflight[0])
+    k_base, k_tail = cache[0], cache[12]
+    kw = torch.empty(batch, k_base.shape[1], window.shape[1], 2 * k_base.shape[3], dtype=k_tail.dtype,
+                     device=k_base.device)
+    vw = torch.empty_like(kw)
+    _kernels().launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton)
+    return lo, kw, vw
+
+
 @torch.library.triton_op(f"{LIB}::packed_kv_write", mutates_args=WRITE_MUTATES)
 def _packed_kv_write(
     k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
@@ -538,12 +554,8 @@ def _packed_attention(
         if sd.linear_decode_fits(q, cache, depth):
             # one-row decode on tensor cores: the bulk in the code domain, a window of the ring and
             # in-flight tokens read as the loop-2 reference does, the visibility rule of the ATen body
-            S, D = k_base.shape[2], 2 * k_base.shape[3]
-            lo, window = sd.linear_window(cache, depth, inflight_positions)
-            kw = torch.empty(q.shape[0], k_base.shape[1], window.shape[1], D, dtype=k_tail.dtype, device=q.device)
-            vw = torch.empty_like(kw)
-            K.launch_packed_read(cache, window, depth, kw, vw, inflight=(inflight_positions, k_inflight, v_inflight),
-                                 wrap=wrap_triton)
+            S = k_base.shape[2]
+            lo, kw, vw = _read_window(cache, depth, (inflight_positions, k_inflight, v_inflight), q.shape[0])
             sd.linear_decode_triton(q, kw, vw, decode_visibility(q_positions, inflight_positions, S), scale,
                                     (cache, depth, lo), out)
             return out
@@ -584,10 +596,7 @@ def _packed_reference_attention(
     S, D = k_base.shape[2], 2 * k_base.shape[3]
     if K.PACKED_REFERENCE["linear"] and sd.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
         # the bulk in the code domain, a window of the ring and in-flight tokens read
-        lo, window = sd.linear_window(cache, depth, inflight_positions)
-        kw = torch.empty(q.shape[0], k_base.shape[1], window.shape[1], D, dtype=k_tail.dtype, device=q.device)
-        vw = torch.empty_like(kw)
-        K.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton)
+        lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
         return sd.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
                                              linear=(cache, depth, lo))
     grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
@@ -599,6 +608,17 @@ def _packed_reference_attention(
     if fused:
         packed = (cache, depth, K.first_inflight(inflight_positions, S))
     return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
+
+
+def correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float) -> Tensor:
+    """packed_correction_attention's body for one query row per kv head: the selected keys below
+    the window scored and weighted on their codes, the window (ring, in-flight tokens) read
+    (``sparse_decode.correction_linear_triton``; on tensor cores with KernelConfig.correction_mma).
+    Runs the Triton kernels (the interpreter's on CPU tensors: tests)."""
+    from flashloop_compile.lowering.kernels import sparse_decode as sd
+
+    lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
+    return sd.correction_linear_triton(q, kw, vw, keys, count, mass, o_ref, c_ref, scale, (cache, depth, lo), wrap=True)
 
 
 @torch.library.triton_op(f"{LIB}::packed_correction_attention", mutates_args=())
@@ -622,13 +642,7 @@ def _packed_correction_attention(
     K = _kernels()
     hkv, D = k_base.shape[1], 2 * k_base.shape[3]
     if q.shape[1] == hkv and q.shape[2] == 1 and not D & (D - 1):
-        # the selected keys below the window on their codes, a window of the ring and in-flight tokens read
-        lo, window = sd.linear_window(cache, depth, inflight_positions)
-        kw = torch.empty(q.shape[0], hkv, window.shape[1], D, dtype=k_tail.dtype, device=q.device)
-        vw = torch.empty_like(kw)
-        K.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton)
-        return sd.correction_linear_triton(q, kw, vw, keys, count, mass, o_ref, c_ref, scale, (cache, depth, lo),
-                                           wrap=True)
+        return correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
     # several query rows or query heads per kv head: the compact read, then the correction over it
     sel = selected_positions(keys, count, hkv)
     shape = (q.shape[0], hkv, sel.shape[-1], D)

@@ -157,3 +157,21 @@ def test_linear_correction_matches_read_then_correct(dtype, group, depth):
         got = sd.correction_linear_triton(q, kw, vw, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.125,
                                           (tensors, depth, lo), config=cfg)
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"{splits} splits: {m}")
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_the_correction_op_body_on_codes_matches_its_aten_body(depth):
+    # packed_correction_attention's CUDA body for one query row per kv head (packed_ops.correction_on_codes:
+    # the window read, then correction_linear_triton), run by the interpreter on CPU tensors, against
+    # the op's ATen body (read the selected keys, then correct): bf16 cache, keys from the window included
+    cache, g = _cache(torch.bfloat16, 64)
+    q, ki, vi, ip, mask = _step(g, torch.bfloat16)
+    tensors = cache.op_tensors(0)
+    _, keys, count, mass, o_ref, c_ref = P.packed_reference_attention_aten(q, ip, ki, vi, 1, *tensors, mask, 0.125, [0.25],
+                                                                           [ceil_fraction(0.25, S)])
+    kd, vd = (ki * 1.5).to(q.dtype), (vi - 0.3).to(q.dtype)
+    args = (q, keys[0], count[0], mass[0], o_ref, c_ref[0])
+    got = P.correction_on_codes(*args, (ip, kd, vd), depth, tensors, 0.125)
+    want = P.packed_correction_attention_aten(*args, ip, kd, vd, depth, *tensors, 0.125)
+    assert (keys[0] >= sd.linear_window(tensors, depth, ip)[0][:, None, None, None]).any()  # window keys too
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
