@@ -165,6 +165,17 @@ if gluon is not None:
         return acc + part * unit, ymin
 
     @gluon.jit
+    def _add_rows(acc, ymin, p2, grp1, codes, scale_w, min_w, p, g, has):
+        """_add_stream for code rows g [BN] (KEYS; 32- or 64-bit row indices) of a code table [., D/2]
+        and its parameter words, gathered where has (absent rows: codes and parameters 0)."""
+        gb = gl.convert_layout(g, gl.SliceLayout(1, BYTES), assert_trivial=True)
+        hb = gl.convert_layout(has, gl.SliceLayout(1, BYTES), assert_trivial=True)
+        y = gl.load(codes + gl.expand_dims(gb * (D // 2), 1) + gl.expand_dims(p, 0),
+                    mask=gl.expand_dims(hb, 1) & gl.expand_dims(p >= 0, 0), other=0)
+        return _add_stream(acc, ymin, p2, grp1, y, gl.load(scale_w + g, mask=has, other=0),
+                           gl.load(min_w + g, mask=has, other=0))
+
+    @gluon.jit
     def _selected(pv, n, thr, cut):
         """sparse_decode._prob_key(pv) > thr, or == thr at positions n <= cut."""
         bits = pv.to(gl.int32, bitcast=True)
@@ -288,12 +299,7 @@ if gluon is not None:
                 rj = gl.load(rows + ((j - 1) * B + b) * S + n0 + nk)
                 has = rj >= 0
                 g = (gl.load(res_layout + j) + gl.where(has, rj, 0)).to(gl.int64)
-                gb = gl.convert_layout(g, gl.SliceLayout(1, BYTES), assert_trivial=True)
-                hb = gl.convert_layout(has, gl.SliceLayout(1, BYTES), assert_trivial=True)
-                y = gl.load(vr + gl.expand_dims(gb * (D // 2), 1) + gl.expand_dims(p, 0),
-                            mask=gl.expand_dims(hb, 1) & gl.expand_dims(p >= 0, 0), other=0)
-                acc, ymin = _add_stream(acc, ymin, p2, grp1, y, gl.load(vrs + g, mask=has, other=0),
-                                        gl.load(vrm + g, mask=has, other=0))
+                acc, ymin = _add_rows(acc, ymin, p2, grp1, vr, vrs, vrm, p, g, has)
         # the window: BF16 rows lo .. lo + NW - 1 of packed_read's buffer v_ptr [B, HKV, NW, D]
         wn = gl.arange(0, BNW, layout=gl.SliceLayout(1, WIN))
         ch = gl.arange(0, D, layout=CH)
@@ -380,23 +386,13 @@ if gluon is not None:
             pa = gl.where(bulk, gl.exp(gl.load(s_row + j, mask=ok, other=float("-inf")) - lse), 0.0)
             p2 = gl.where((col == 0) | (col == 2), gl.expand_dims(pa, 1), 0.0)  # slot 0 of both groups
             msum += _key_sum(p2)
-            nb_ = gl.convert_layout(nc, gl.SliceLayout(1, BYTES), assert_trivial=True)  # int32 offsets (launcher)
-            hb = gl.convert_layout(bulk, gl.SliceLayout(1, BYTES), assert_trivial=True)
-            y = gl.load(vb + gl.expand_dims(nb_ * (D // 2), 1) + gl.expand_dims(p, 0),
-                        mask=gl.expand_dims(hb, 1) & gl.expand_dims(p >= 0, 0), other=0)
-            acc, ymin = _add_stream(acc, ymin, p2, grp1, y, gl.load(vbs + nc, mask=bulk, other=0),
-                                    gl.load(vbm + nc, mask=bulk, other=0))
+            acc, ymin = _add_rows(acc, ymin, p2, grp1, vb, vbs, vbm, p, nc, bulk)  # int32 rows (the launcher checks)
             for r in range(1, DEPTH + 1):  # residual r: gathered rows where present (a loop, not
             # unrolled: the streams' gathers in flight at once spilled at depth 3)
                 rj = gl.load(rows + ((r - 1) * B + b) * S + nc, mask=bulk, other=-1)
                 has = rj >= 0
-                g = gl.load(res_layout + r) + gl.where(has, rj, 0)
-                gb = gl.convert_layout(g, gl.SliceLayout(1, BYTES), assert_trivial=True)
-                hb = gl.convert_layout(has, gl.SliceLayout(1, BYTES), assert_trivial=True)
-                y = gl.load(vr + gl.expand_dims(gb * (D // 2), 1) + gl.expand_dims(p, 0),
-                            mask=gl.expand_dims(hb, 1) & gl.expand_dims(p >= 0, 0), other=0)
-                acc, ymin = _add_stream(acc, ymin, p2, grp1, y, gl.load(vrs + g, mask=has, other=0),
-                                        gl.load(vrm + g, mask=has, other=0))
+                acc, ymin = _add_rows(acc, ymin, p2, grp1, vr, vrs, vrm, p, gl.load(res_layout + r) + gl.where(has, rj, 0),
+                                      has)
         # keys from lo on: the window's BF16 rows (CUDA cores), a second pass over the split's list
         # BNW keys at a time (out of the code loop: its registers)
         for j0 in range(start, end, BNW):
