@@ -190,6 +190,8 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("correction linear mma", {"correction": "linear", "config": {"correction_mma": True}}),
     ("correction linear mma prep in kernel", {"correction": "linear",
                                               "config": {"correction_mma": True, "correction_prep_in_kernel": True}}),
+    *[(f"correction linear mma w{w}", {"correction": "linear", "config": {"correction_mma": True, "correction_waves": w}})
+      for w in (2, 4, 8)],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     # and the per-key-lane online softmax (KernelConfig.lane_corr)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})

@@ -399,7 +399,7 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
     got = {}
     for name, over in (("tl", dict(correction_mma=False)), ("mma", {}),
                        ("mma prep in kernel", dict(correction_prep_in_kernel=True))):
-        monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=True, **over))
+        monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, **{"correction_mma": True, **over}))
         got[name] = torch.ops.flashloop.packed_correction_attention(*cargs)
         if name == "mma":
             torch._dynamo.reset()

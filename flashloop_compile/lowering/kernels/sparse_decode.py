@@ -949,13 +949,19 @@ class KernelConfig:
     # the code-domain correction (correction_linear_triton: opt-in, PACKED_CORRECTION["linear"]) on fp16
     # tensor cores where it applies (gluon_scores._mma_gather_scores_kernel, gluon_pv._mma_pv_gather_kernel:
     # CUDA sm_80+, head_dim 128, K blocks and V groups of 64) instead of _correction_linear_kernel
-    # (which lost 1.4-1.9x to read-then-correct, session 9). Written in session 15 without a GPU:
-    # compiled for sm_90, untimed, unchecked on the device
+    # (which lost 1.4-1.9x to read-then-correct, session 9). Written in session 15 without a GPU;
+    # session 16: correct (tests/gpu), 1.6-2x faster than the tl kernel, still 1.1-1.3x slower than
+    # read-then-correct per site (the gathers run at 10 / 12 warps per SM: latency-starved)
     correction_mma: bool = True
     # ... with q' and the biases formed in the gathered scores kernel per round (its PREP_IN_KERNEL: no
     # _prep_kernel launch, no q' table written and read; 40% more instructions per round, sm_90).
     # Opt-in, session 15, untimed
     correction_prep_in_kernel: bool = False
+    # waves of resident programs the gathered correction kernels' splits target (gluon_pv.splits of
+    # n_sm * waves): shorter splits, less of a trailing wave. Session 16 (H200, 32K, per site, depth
+    # 2 / 3): B1 waves 1, 2, 4: 95.8 / 117.6, 92.0 / 111.6, 100.2 / 112.7 us; B4 248.0 / 332.7,
+    # 226.0 / 292.2, 219.7 / 282.7 us; read-then-correct 80.6 / 92.9 and 203.3 / 219.3 us
+    correction_waves: int = 2
 
 
 def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
@@ -1473,7 +1479,7 @@ def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scal
     dev = q.device
     rows = b * hq
     kmax = max(keys.shape[-1], 1)
-    n_sm = sm_count(dev)
+    n_sm = sm_count(dev) * max(1, cfg.correction_waves)
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
      v_res, v_res_min, v_res_scale, rows_map, res_layout, *_geo) = largs
     keys_c = keys.reshape(rows, keys.shape[-1]).to(torch.int32).contiguous()
