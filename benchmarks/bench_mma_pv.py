@@ -6,7 +6,7 @@ Both are checked against FP64 sums of the decoded values first (O_ref: every key
 selected keys, and the masses), then timed as CUDA graphs (no host launch time): median of
 replays with L2 flushed, with the bytes the PV must read against the measured copy bandwidth.
 
-    python3 benchmarks/bench_mma_pv.py --batch 1 4 [--resident 8 12 16] [--compact false true]   # GPU
+    python3 benchmarks/bench_mma_pv.py --batch 1 4 [--resident 8 12 16]   # GPU
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def reference(t):
     return (torch.einsum("rs,rsd->rd", pa, v), torch.einsum("rs,rsd->rd", ps, v), pa.sum(1), ps.sum(1))
 
 
-def launch(kind: str, t, n_sm: int, resident: int = 12, compact: bool = False):
+def launch(kind: str, t, n_sm: int, resident: int = GP.RESIDENT):
     dims = t["dims"]
     B, H, S, CAPT = dims["B"], dims["H"], dims["S"], dims["CAPT"]
     R = B * H
@@ -116,7 +116,7 @@ def launch(kind: str, t, n_sm: int, resident: int = 12, compact: bool = False):
         def fn():
             GP.launch_pv(t["probs"], v, t["thr"], t["cut"], po, pm, t["lo"], t["v_base"], t["v_base_min"],
                          t["v_base_scale"], t["v_res"], t["v_res_min"], t["v_res_scale"], t["rows"], t["res_layout"],
-                         chunk, split, 1, compact_keys=compact)
+                         chunk, split, 1)
     else:
         cfg = SD.DEFAULT_CONFIG
         kb, kr = t["v_base"], t["v_res"]  # K placeholders (the PV kernel reads V only)
@@ -146,10 +146,9 @@ def bench(args):
         # bytes: base codes + V parameters, the present residuals' codes + parameters, the row map, p
         n_res = int((t["rows"][0] >= 0).sum())
         bytes_ = (R * args.seq * (D // 2 + 8) + n_res * 16 * (D // 2 + 8) + B * args.seq * 4 + R * args.seq * 4)
-        points = [("tl", 0, False)] + [("mma", w, c) for c in args.compact for w in
-                                        (args.resident or [GP.resident(c)])]
-        for kind, resident, compact in points:
-            fn, po, pm, split = launch(kind, t, n_sm, resident, compact)
+        points = [("tl", 0)] + [("mma", w) for w in (args.resident or [GP.RESIDENT])]
+        for kind, resident in points:
+            fn, po, pm, split = launch(kind, t, n_sm, resident)
             fn()
             torch.cuda.synchronize()
             o = po.double().sum(0)
@@ -158,7 +157,7 @@ def bench(args):
                     (("o_ref", o[:R], o_ref), ("c_ref", o[R:], c_ref), ("mass", m[:R], m_all), ("sel_mass", m[R:], m_sel))}
             ms = cuda_times(graph_of(fn), args.warmup, args.repeats, before=flush.zero_)
             us = statistics.median(ms) * 1000
-            row = dict(kind=kind + (" compact" if compact else ""), resident=resident, batch=B, seq=args.seq,
+            row = dict(kind=kind, resident=resident, batch=B, seq=args.seq,
                        split=split, us=us, **{f"err_{k}": v for k, v in errs.items()}, o_ref_scale=o_ref.abs().max().item(), gbs=bytes_ / us / 1e3, copy_gbs=copy_gbs,
                        floor_us=bytes_ / copy_gbs / 1e3)
             rows_out.append(row)
@@ -178,9 +177,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--resident", type=int, nargs="*", default=None,
                     help="programs per SM the tensor-core kernel's split targets (gluon_pv.splits; "
-                         "default gluon_pv.resident, per variant)")
-    ap.add_argument("--compact", type=lambda x: x.lower() in ("1", "true", "yes"), nargs="+", default=[False, True],
-                    help="COMPACT_KEYS variants of the tensor-core kernel to time (KernelConfig.pv_compact_keys)")
+                         "default gluon_pv.RESIDENT)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
     bench(ap.parse_args(argv))

@@ -177,8 +177,7 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("reference linear", {"reference": "linear"}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
       for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
-                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}),
-                        ("select_fused", {"select_fused": True}))],  # (session 14, opt-in: one launch per selection)
+                        ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
     # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
     # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window
@@ -188,10 +187,8 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("correction read then correct", {"correction": "read"}),
     ("correction linear", {"correction": "linear", "config": {"correction_mma": False}}),
     ("correction linear mma", {"correction": "linear", "config": {"correction_mma": True}}),
-    ("correction linear mma prep in kernel", {"correction": "linear",
-                                              "config": {"correction_mma": True, "correction_prep_in_kernel": True}}),
     *[(f"correction linear mma w{w}", {"correction": "linear", "config": {"correction_mma": True, "correction_waves": w}})
-      for w in (2, 4, 8)],
+      for w in (1, 2, 4, 8)],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     # and the per-key-lane online softmax (KernelConfig.lane_corr)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})

@@ -224,25 +224,15 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("sparse linear reference mma B4 32K",
             lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
                                                   config=mma))
-        fused_select = dataclasses.replace(SD.DEFAULT_CONFIG, select_fused=True)  # _select_row_kernel (opt-in)
-        run("sparse linear reference fused select B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=fused_select))
-        compact = dataclasses.replace(mma, pv_compact_keys=True)  # gluon_pv's COMPACT_KEYS (opt-in)
-        run("sparse linear reference mma compact B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=compact))
         tl_correction = dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=False)  # _correction_linear_kernel
         run("sparse linear correction B4 32K",
             lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear,
                                                 config=tl_correction))
-        in_kernel = dataclasses.replace(SD.DEFAULT_CONFIG, correction_prep_in_kernel=True)
         for d in (2, 3):  # the tensor-core correction (KernelConfig.correction_mma) at loops 3 and 4's depths
             lin = (t, d, linear[2])
-            for label, cfg in (("", None), (" prep in kernel", in_kernel)):
-                run(f"sparse linear correction mma{label} depth {d} B4 32K",
-                    lambda lin=lin, cfg=cfg: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0],
-                                                                         o_ref, c_ref[0], 0.088, lin, config=cfg))
+            run(f"sparse linear correction mma depth {d} B4 32K",
+                lambda lin=lin: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0],
+                                                            o_ref, c_ref[0], 0.088, lin))
     if only in (None, "read"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
         grid_pos = torch.arange(32768)[None].expand(4, -1)

@@ -112,36 +112,25 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     assert mpv["spill_ops"] == 0 and mpv["mma"] == 64 and mpv["loads"].get("LDG.E.64", 0) >= 32, mpv
     assert mpv["warps_per_sm"] >= 12 and mpv["regs"] <= 168, mpv
     assert 2 * mpv["loop"] < 8 * pv["loop"], (mpv["loop"], pv["loop"])
-    # KernelConfig.select_fused (opt-in): the selection as one launch, no spills
-    sel = rows["sparse linear reference fused select B4 32K [_select_row_kernel]"]
-    assert sel["spill_ops"] == 0, sel
-    assert not any(k.startswith("sparse linear reference fused select B4 32K [_select_") and not k.endswith("row_kernel]")
-                   for k in rows), sorted(rows)
-    # its COMPACT_KEYS variant (opt-in): the per-key work once per key, moved through shared memory
-    cpv = rows["sparse linear reference mma compact B4 32K [_mma_pv_kernel]"]
-    assert cpv["spill_ops"] == 0 and cpv["mma"] == 64 and cpv["loop"] < 0.9 * mpv["loop"], (cpv, mpv["loop"])
-    assert cpv["warps_per_sm"] >= GPV.resident(True), cpv
     # session 15: the code-domain correction on tensor cores (KernelConfig.correction_mma; opt-in through
     # PACKED_CORRECTION["linear"]) at loops 3 and 4's depths: the gathered scores (4 warps; 16 MMAs per
     # stream and warp: 16 keys x 8 channel steps x 2 n-tiles of the 16 q' columns; the residual
     # streams in a runtime loop, which ptxas may unroll) and the gathered PV (one warp, the residual
     # streams in a loop: unrolled, their gathers spilled at depth 3) without spills, at least the
-    # residency their splits assume (gluon_scores.GATHER_RESIDENT, gluon_pv.GATHER_RESIDENT); the
-    # scores with q' formed in the kernel (correction_prep_in_kernel) take it through shared memory
-    # (ldmatrix) and launch no _prep_kernel
+    # residency their splits assume (gluon_scores.GATHER_RESIDENT, gluon_pv.GATHER_RESIDENT), q' from
+    # the _prep_kernel's table (no shared-memory round trip)
     from flashloop_compile.lowering.kernels import gluon_scores as GS
 
     for d in (2, 3):
-        for label in ("", " prep in kernel"):
-            site = f"sparse linear correction mma{label} depth {d} B4 32K"
-            gsc = rows[f"{site} [_mma_gather_scores_kernel]"]
-            gpv = rows[f"{site} [_mma_pv_gather_kernel]"]
-            assert f"{site} [_correction_linear_kernel]" not in rows
-            assert (f"{site} [_prep_kernel]" in rows) == (label == ""), sorted(k for k in rows if site in k)
-            assert gsc["spill_ops"] == 0 and gsc["mma"] % 16 == 0 and gsc["mma"] >= 32, gsc
-            assert gsc["warps_per_sm"] >= 4 * GS.GATHER_RESIDENT, gsc
-            assert (gsc["loads"].get("LDSM.16.M88.4", 0) > 0) == (label != ""), gsc["loads"]
-            assert gpv["spill_ops"] == 0 and gpv["mma"] == 64 and gpv["warps_per_sm"] >= GPV.GATHER_RESIDENT, gpv
+        site = f"sparse linear correction mma depth {d} B4 32K"
+        gsc = rows[f"{site} [_mma_gather_scores_kernel]"]
+        gpv = rows[f"{site} [_mma_pv_gather_kernel]"]
+        assert f"{site} [_correction_linear_kernel]" not in rows
+        assert f"{site} [_prep_kernel]" in rows, sorted(k for k in rows if site in k)
+        assert gsc["spill_ops"] == 0 and gsc["mma"] % 16 == 0 and gsc["mma"] >= 32, gsc
+        assert gsc["warps_per_sm"] >= 4 * GS.GATHER_RESIDENT, gsc
+        assert gsc["loads"].get("LDSM.16.M88.4", 0) == 0, gsc["loads"]
+        assert gpv["spill_ops"] == 0 and gpv["mma"] == 64 and gpv["warps_per_sm"] >= GPV.GATHER_RESIDENT, gpv
 
 
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():

@@ -677,7 +677,7 @@ def _(*args):
 @torch.library.custom_op(f"{LIB}::mma_linear_pv", mutates_args=("part_o", "part_mass"))
 def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_, lo: T_,
                    v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
-                   rows: T_, res_layout: T_, chunk: int, split: int, depth: int, compact_keys: bool) -> None:
+                   rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
     """The code-domain reference PV on tensor cores (kernels/gluon_pv.py, Gluon: opaque to
     Inductor), launched by sparse_decode.reference_attention_triton: fills the split partials
     part_o [split, 2 R, D] / part_mass [split, 2 R] as _pv_linear_kernel does. Registered on
@@ -685,7 +685,7 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
     from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
 
     launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk, split, depth, compact_keys=compact_keys)
+              v_res_scale, rows, res_layout, chunk, split, depth)
 
 
 @_mma_linear_pv.register_fake
@@ -696,14 +696,13 @@ def _(*args):
 @torch.library.custom_op(f"{LIB}::mma_linear_decode_pv", mutates_args=("part_o", "part_mass"))
 def _mma_linear_decode_pv(scores: T_, v: T_, part_m: T_, part_l: T_, part_o: T_, part_mass: T_, lo: T_,
                           v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
-                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int, compact_keys: bool) -> None:
+                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
     """mma_linear_pv for decode (sparse_decode.linear_decode_triton): no selection, the
     probabilities formed from the scaled scores and their split partials part_m / part_l [R, split_a]."""
     from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
 
     launch_pv(scores, v, None, None, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l,
-              compact_keys=compact_keys)
+              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l)
 
 
 @_mma_linear_decode_pv.register_fake
@@ -714,8 +713,7 @@ def _(*args):
 @torch.library.custom_op(f"{LIB}::mma_gather_scores", mutates_args=("scores", "part_m", "part_l"))
 def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_, part_l: T_, lo: T_,
                        k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
-                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int,
-                       prep_in_kernel: bool) -> None:
+                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
     """A code-domain correction's scores over loop 2's selected keys on tensor cores
     (kernels/gluon_scores.py, Gluon: opaque to Inductor), launched by
     sparse_decode.correction_linear_triton: fills scores [R, KMAX] and the split partials
@@ -723,8 +721,7 @@ def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_
     from flashloop_compile.lowering.kernels.gluon_scores import launch_gather_scores
 
     launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
-                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth,
-                         prep_in_kernel=prep_in_kernel)
+                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth)
 
 
 @_mma_gather_scores.register_fake

@@ -303,8 +303,7 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
         _assert_keys_mostly_shared(mma_out, other)
 
 
-@pytest.mark.parametrize("compact_keys", [False, True], ids=["default", "compact_keys"])
-def test_mma_pv_matches_the_tl_pv_kernel(compact_keys, monkeypatch):
+def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
     # gluon_pv (the code-domain reference PV on tensor cores, session 14) against _pv_linear_kernel
     # after the same scores and selection: 4 x 8K ragged, token-sparse residuals, the window
     # included. The selection is the same (keys, counts equal); O_ref / C_ref carry W's fp16
@@ -321,8 +320,7 @@ def test_mma_pv_matches_the_tl_pv_kernel(compact_keys, monkeypatch):
     monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
     monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=False))
     tl_out = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=True,
-                                                                  pv_compact_keys=compact_keys))
+    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=True))
     assert gluon_pv.fits(args[0], D, c.group_size, 1)
     mma_out = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
@@ -339,28 +337,6 @@ def test_mma_pv_matches_the_tl_pv_kernel(compact_keys, monkeypatch):
     assert not torch.equal(mma_out[4], tl_out[4])  # O_ref carries W's fp16 rounding: the MMA path ran
 
 
-def test_the_fused_selection_equals_the_split_one_on_the_gpu(monkeypatch):
-    # KernelConfig.select_fused (session 14, opt-in): the reference's top-k in one program per row
-    # and one launch; the whole reference's outputs equal the split select's bit for bit (4 x 8K
-    # ragged, the code-domain path), eager and compiled
-    import dataclasses
-
-    from flashloop_compile.lowering.kernels import packed_kv as K
-    from flashloop_compile.lowering.kernels import sparse_decode as SD
-
-    torch._dynamo.reset()
-    c, args = _reference_case(15)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
-    split = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, select_fused=True))
-    fused = torch.ops.flashloop.packed_reference_attention(*args)
-    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
-                             fullgraph=True)(*args)
-    for name, x, y, z in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), fused, split, compiled):
-        assert torch.equal(x, y) and torch.equal(z, y), name
-
-
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 @pytest.mark.parametrize("depth", [2, 3])
 def test_the_code_domain_correction_matches_read_then_correct(depth, order, monkeypatch):
@@ -369,7 +345,7 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
     # codes, on tensor cores (gluon_scores / gluon_pv's gather kernels, KernelConfig.correction_mma)
     # and with the tl kernel (_correction_linear_kernel) -- against its ATen body (read, then
     # correct) and the default CUDA two-op form (compact packed_read + correction_attention), eager
-    # and compiled, and with q' formed in the scores kernel (KernelConfig.correction_prep_in_kernel):
+    # and compiled:
     # 4 x 8K ragged with token-sparse residuals at every depth, loop 2's selection (fraction 0.1)
     # from the packed reference, a loop-3/4 query and in-flight token; the keys in the selection's
     # ascending order and shuffled (the kernels take any order)
@@ -397,8 +373,7 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
                                                       c_ref, D**-0.5)
     assert SD.correction_mma_fits(q_d, c.group_size, depth)
     got = {}
-    for name, over in (("tl", dict(correction_mma=False)), ("mma", {}),
-                       ("mma prep in kernel", dict(correction_prep_in_kernel=True))):
+    for name, over in (("tl", dict(correction_mma=False)), ("mma", {}), ("mma one wave", dict(correction_waves=1))):
         monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, **{"correction_mma": True, **over}))
         got[name] = torch.ops.flashloop.packed_correction_attention(*cargs)
         if name == "mma":

@@ -231,29 +231,3 @@ def test_correction_variants_match_the_aten_body(dtype, split, lane, stages):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got[0, 1, 0], (o_ref - c_ref[0])[0, 1, 0].to(dtype), **tol)
-
-
-@pytest.mark.parametrize(
-    "hq, hkv, t, s, lengths, fractions, ties, seed, scale, block_sel",
-    [
-        (4, 2, 3, 70, (50, 70), [0.1, 0.4], False, 0, 0.25, 16),
-        (4, 2, 2, 72, (72, 49), [0.1, 0.45], True, 3, 0.25, 16),  # exact ties at the boundary
-        (2, 2, 2, 48, (48, 20), [0.5, 1.0], True, 1, 200.0, 32),  # zero-probability ties, invisible keys
-        (4, 4, 1, 200, (133, 200), [0.25], False, 5, 0.25, 64),
-    ],
-    ids=["gqa-T3", "boundary-ties", "zero-ties", "mha-200"],
-)
-def test_the_fused_selection_equals_the_split_one_bit_for_bit(hq, hkv, t, s, lengths, fractions, ties, seed, scale,
-                                                              block_sel):
-    # KernelConfig.select_fused: one program per row, every digit and the compaction in one launch;
-    # keys, counts, masses and the outputs equal the split select's (several chunks per row) bit
-    # for bit, with the fused kernel's tile (block_sel) a fraction of the row or the whole row
-    import dataclasses
-
-    q, k, v, mask, _later = _inputs(hq=hq, hkv=hkv, t=t, s=s, lengths=lengths, ties=ties, seed=seed)
-    caps = _capacities(fractions, s)
-    want = sd.reference_attention_triton(q, k, v, mask, scale, fractions, caps, config=SPLIT_CONFIG)
-    fused = dataclasses.replace(SPLIT_CONFIG, select_fused=True, block_sel=block_sel)
-    got = sd.reference_attention_triton(q, k, v, mask, scale, fractions, caps, config=fused)
-    for name, x, y in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), got, want):
-        assert torch.equal(x, y), name

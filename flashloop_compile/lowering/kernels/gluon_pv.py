@@ -89,7 +89,6 @@ if gluon is not None:
     WIN = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
                                         order=[1, 0]))
     CH = gl.constexpr(gl.SliceLayout(0, WIN))
-    PKEYS = gl.constexpr(gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
     SPL = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 
     @gluon.jit
@@ -236,16 +235,15 @@ if gluon is not None:
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, CAPT,
         pm_ptr, pl_ptr, SPLIT_A,
         DEPTH: gl.constexpr, SELECT: gl.constexpr = True, NORMALIZE: gl.constexpr = False,
-        SPLIT_P2: gl.constexpr = 1, COMPACT_KEYS: gl.constexpr = False,
+        SPLIT_P2: gl.constexpr = 1,
     ):
         """_pv_linear_kernel (one query row per kv head, row = b * HKV + hk, one fraction) with the
         keys below lo[b] on tensor cores; partials [split, slot, row] for _pv_combine_kernel.
         Without SELECT, slot 1 is empty (no selection: decode). With NORMALIZE, p_ptr holds the
         scaled scores and pm_ptr / pl_ptr [R, SPLIT_A] their split partials (max, sum of exp), as
-        the scores kernels leave them: the probabilities are formed here. COMPACT_KEYS (opt-in, untimed):
-        p and the selection test computed once per key and moved to W's layout through shared
-        memory (sm_90 compile at depth 1: 1176 instead of 1357 instructions per tile, 180 instead of
-        168 registers: 11 programs per SM)."""
+        the scores kernels leave them: the probabilities are formed here. p and the selection test
+        are computed in W's layout: every lane of a column group repeats them (once per key through
+        shared memory took 1.6-1.8x as long on the H200, session 16)."""
         pid_bh = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = (pid_bh // HKV).to(gl.int64)
@@ -261,7 +259,6 @@ if gluon is not None:
                                                CAPT)
         p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
         nk = gl.arange(0, BN, layout=KEYS)
-        nc = gl.arange(0, BN, layout=PKEYS)
         col = gl.expand_dims(gl.arange(0, 8, layout=COLS), 0)
         grp1 = (col // 2) == 1
         lo = gl.load(lo_ptr + b).to(gl.int32)
@@ -275,21 +272,12 @@ if gluon is not None:
         p_row = p_ptr + row * S
         for n0 in range(start, mid, BN):
             n = n0 + nk
-            if COMPACT_KEYS:  # p and the selection test once per key (two keys per lane), then to W's layout
-                pv = gl.load(p_row + n0 + nc)
-                pa_c = _probabilities(pv, lse, NORMALIZE)
-                pa = gl.convert_layout(pa_c, KEYS)
-                if SELECT:
-                    ps = gl.convert_layout(gl.where(_selected(pv, n0 + nc, thr, cut), pa_c, 0.0), KEYS)
-                else:
-                    ps = gl.zeros_like(pa)
-            else:  # in W's layout: every lane of a column group repeats them
-                pv = gl.load(p_row + n0 + nk)
-                pa = _probabilities(pv, lse, NORMALIZE)
-                if SELECT:
-                    ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
-                else:
-                    ps = gl.zeros_like(pa)
+            pv = gl.load(p_row + n0 + nk)
+            pa = _probabilities(pv, lse, NORMALIZE)
+            if SELECT:
+                ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
+            else:
+                ps = gl.zeros_like(pa)
             p2 = gl.where(col < 4, gl.where(col % 2 == 0, gl.expand_dims(pa, 1), gl.expand_dims(ps, 1)), 0.0)
             msum += _key_sum(p2)
             # the base: whole tiles, addresses from the tile's pointer and loop-invariant offsets
@@ -425,13 +413,12 @@ def fits(p: torch.Tensor, head_dim: int, group: int, depth: int) -> bool:
     return head_dim == HEAD_DIM and group == GROUP
 
 
-def resident(compact_keys: bool) -> int:
-    """One-warp programs per SM at the kernel's sm_90 register count (168, or 180 with COMPACT_KEYS:
-    scripts/kernel_report.py), the split's target."""
-    return 11 if compact_keys else 12
+# one-warp _mma_pv_kernel programs per SM at its sm_90 register count (168: scripts/kernel_report.py),
+# the split's target
+RESIDENT = 12
 
 
-def splits(n_sm: int, rows: int, s: int, resident: int = 12) -> tuple[int, int]:
+def splits(n_sm: int, rows: int, s: int, resident: int = RESIDENT) -> tuple[int, int]:
     """(chunk, split) of s keys (the history, or a correction's selected list) for ``rows`` rows:
     as many whole 64-key-tile chunks per row as fill one wave of ``resident`` programs per SM
     (_mma_pv_kernel takes 168 registers: 12 one-warp programs per SM), at most one wave, so that
@@ -446,8 +433,7 @@ def _run(kernel, grid):
 
 
 def launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None, part_m=None, part_l=None,
-              compact_keys: bool = False):
+              v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None, part_m=None, part_l=None):
     """The body of ``flashloop::mma_linear_pv`` (registered in packed_ops.py): fills the split
     partials part_o [split, 2 R, D] and part_mass [split, 2 R] (R = B * Hkv rows, slot 0 then
     slot 1) from probs [R, S] (normalized probabilities, < 0 where invisible), the selection's
@@ -471,7 +457,6 @@ def launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_b
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, cache_b, capt,
         part_m if normalize else probs, part_l if normalize else probs, split_a,
         DEPTH=depth, SELECT=select, NORMALIZE=normalize, SPLIT_P2=max(32, triton.next_power_of_2(split_a)),
-        COMPACT_KEYS=compact_keys,
         num_warps=1)  # (maxnreg 144 or 128 spill at depth 1: 168 registers, 12 programs per SM)
 
 

@@ -87,13 +87,6 @@ if gluon is not None:
         reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0], [0, 8]],
         lane_bases=[[32, 0], [64, 0], [0, 1], [0, 2], [0, 4]],
         warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[HEAD_DIM, 16]))
-    # q' [D, NCOL] formed in the kernel (PREP_IN_KERNEL): each warp 4 columns, a thread 16 contiguous
-    # channels of one column; through shared memory to the B operand every warp needs whole
-    PREP_L = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0]],
-        lane_bases=[[16, 0], [32, 0], [64, 0], [0, 1], [0, 2]],
-        warp_bases=[[0, 4], [0, 8]], block_bases=[], shape=[HEAD_DIM, 16]))
-    Q_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0, 1]))
     # the window rows of a gathered tile, 32 channels at a time: [BN, 32], 16 values per thread
     WIN32 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[WARPS, 1],
                                           order=[1, 0]))
@@ -241,38 +234,11 @@ if gluon is not None:
         return gl.convert_layout(a, B_OP, assert_trivial=True)
 
     @gluon.jit
-    def _prep_columns(q_row, sc_ptr, mn_ptr, cb):
-        """_prep_kernel's arithmetic for the K blocks cb [NCOL] (SliceLayout(0, PREP_L); < 0: none) of
-        one stream's fp16 parameter tables [NB, D]: q' [D, NCOL] (fp16(q * scale), the odd channels /
-        16; PREP_L: warps own columns), its column sums (FP32 of the fp16 values) and q . min."""
-        ch = gl.arange(0, D, layout=gl.SliceLayout(1, PREP_L))
-        qm = gl.expand_dims(gl.load(q_row + ch).to(gl.float32), 1)
-        qs = qm * gl.expand_dims(gl.where(ch % 2 == 1, 0.0625, 1.0), 1)
-        ok = gl.expand_dims(ch >= 0, 1) & gl.expand_dims(cb >= 0, 0)
-        off = gl.expand_dims(ch, 1) + gl.expand_dims(gl.maximum(cb, 0).to(gl.int64) * D, 0)
-        a = (qs * gl.load(sc_ptr + off, mask=ok, other=0.0).to(gl.float32)).to(gl.float16)
-        return a, gl.sum(a.to(gl.float32), 0), gl.sum(qm * gl.load(mn_ptr + off, mask=ok, other=0.0).to(gl.float32), 0)
-
-    @gluon.jit
-    def _shared_operand(smem, a):
-        """q' [D, NCOL] (PREP_L) as the B operand of every warp, through shared memory (relabelled as
-        _codes_operand): the barriers keep the previous operand's readers and this one's writers apart."""
-        gl.thread_barrier()
-        smem.store(gl.reshape(gl.permute(gl.reshape(a, [4, 16, 2, NCOL]), [1, 0, 2, 3]), [D, NCOL]))
-        gl.thread_barrier()
-        return smem.load(B_OP)
-
-    @gluon.jit
-    def _to_columns(x):
-        """[NCOL] per-column values (SliceLayout(0, PREP_L)) as a [1, NCOL] row of the accumulator's layout."""
-        return gl.expand_dims(gl.convert_layout(x, gl.SliceLayout(0, MMA)), 0)
-
-    @gluon.jit
     def _mma_gather_scores_kernel(
         q_ptr, k_ptr, keys_ptr, count_ptr, s_ptr, pm_ptr, pl_ptr, lo_ptr, a_ptr, bias_ptr,
         S, HKV, KMAX, scale, NW, sqb, sqh, skb, skh, sks, CHUNK, SPLIT,
         k_base, k_res, rows, res_layout, B, NB, CAPT, ROWS, k_base_min, k_base_scale, k_res_min, k_res_scale,
-        DEPTH: gl.constexpr, PREP_IN_KERNEL: gl.constexpr = False,
+        DEPTH: gl.constexpr,
     ):
         """The scores of a correction at depth DEPTH (one query row per kv head, row = b * HKV + hk)
         over loop 2's selected keys keys_ptr [R, KMAX] (the first count_ptr[row] valid, any order),
@@ -285,12 +251,7 @@ if gluon is not None:
         NCOL - 1 (blo: the tile's lowest block not yet done; columns without a key load nothing)
         and each key keeps its own block's column; a tile over more blocks takes more rounds
         (sorted keys at 10%: about one), each key's codes are loaded in its round only. Keys from
-        lo[b] on come from the window k_ptr [B, HKV, NW, D] (packed_read of positions lo[b] ..).
-
-        PREP_IN_KERNEL (opt-in, KernelConfig.correction_prep_in_kernel): no q' table; each round forms
-        q' of its 16 blocks and the biases from the parameter tables (each warp 4 columns) and hands
-        q' to every warp through shared memory: the K parameters read once per round instead of
-        _prep_kernel's read of every block, its q' write and this kernel's q' read."""
+        lo[b] on come from the window k_ptr [B, HKV, NW, D] (packed_read of positions lo[b] ..)."""
         pid_bh = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = (pid_bh // HKV).to(gl.int64)
@@ -304,11 +265,6 @@ if gluon is not None:
         colm = gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, MMA)), 0)  # [1, NCOL]
         colq = gl.arange(0, NCOL, layout=gl.SliceLayout(0, Q_COLS))
         q_row = q_ptr + b * sqb + hk * sqh
-        if PREP_IN_KERNEL:
-            colp = gl.arange(0, NCOL, layout=gl.SliceLayout(0, PREP_L))
-            smem = gl.allocate_shared_memory(gl.float16, [D, NCOL], Q_SMEM)
-            kbs = k_base_scale + row * NB * D
-            kbm = k_base_min + row * NB * D
         lo = gl.load(lo_ptr + b).to(gl.int32)
         cnt = gl.minimum(gl.load(count_ptr + row), KMAX)
         start = pid_s * CHUNK
@@ -333,12 +289,10 @@ if gluon is not None:
             nb_ = gl.load(key_row + jj, mask=jj < end, other=0)
             blk_b = gl.where((jj < end) & (nb_ < lo), nb_ // GP, -1)
             # the biases per key (_prep_kernel's: the base's for every key, residual r's where present)
-            bias = gl.zeros([BN], gl.float32, layout=KEYS)
-            if not PREP_IN_KERNEL:  # (in the kernel: per round, from its columns)
-                bias += gl.load(b_row + gl.maximum(blk, 0), mask=bulk, other=0.0)
-                for r in gl.static_range(1, DEPTH + 1):
-                    has_k = gl.load(rows + ((r - 1) * B + b) * S + nk, mask=bulk, other=-1) >= 0
-                    bias += gl.load(b_row + r * ROWS * NB + gl.maximum(blk, 0), mask=has_k, other=0.0)
+            bias = gl.load(b_row + gl.maximum(blk, 0), mask=bulk, other=0.0)
+            for r in gl.static_range(1, DEPTH + 1):
+                has_k = gl.load(rows + ((r - 1) * B + b) * S + nk, mask=bulk, other=-1) >= 0
+                bias += gl.load(b_row + r * ROWS * NB + gl.maximum(blk, 0), mask=has_k, other=0.0)
             sacc = gl.zeros([BN], gl.float32, layout=KEYS)
             blo = gl.min(gl.where(bulk, blk, NB), 0)
             while blo < NB:
@@ -347,30 +301,14 @@ if gluon is not None:
                 in_b = (blk_b >= blo) & (blk_b < blo + NCOL)
                 nbr = gl.where(in_b, nb_, 0)
                 codes = _codes_operand(_tile_bytes(kb, nbr, p, in_b))
-                if PREP_IN_KERNEL:
-                    cb = gl.where(gl.convert_layout(used, gl.SliceLayout(0, PREP_L)) > 0, blo + colp, -1)
-                    a, tot, qmin = _prep_columns(q_row, kbs, kbm, cb)
-                    acc = mma_v2(codes, _shared_operand(smem, a), gl.zeros([BN, NCOL], gl.float32, layout=MMA))
-                    add = gl.zeros([BN, NCOL], gl.float32, layout=MMA) + _to_columns(qmin)
-                else:
-                    cb = gl.where(gl.convert_layout(used, gl.SliceLayout(0, Q_COLS)) > 0, blo + colq, -1)
-                    acc = mma_v2(codes, _q_columns(a_row, cb), gl.zeros([BN, NCOL], gl.float32, layout=MMA))
-                for st in range(1, DEPTH + 1):  # (a loop: unrolled, the in-kernel prep took 205 registers at depth 3)
+                cb = gl.where(gl.convert_layout(used, gl.SliceLayout(0, Q_COLS)) > 0, blo + colq, -1)
+                acc = mma_v2(codes, _q_columns(a_row, cb), gl.zeros([BN, NCOL], gl.float32, layout=MMA))
+                for st in range(1, DEPTH + 1):  # (a runtime loop: ptxas may unroll it)
                     rj = gl.load(rows + ((st - 1) * B + b) * S + nbr, mask=in_b, other=-1)
                     has = rj >= 0
                     g = gl.load(res_layout + st) + gl.where(has, rj, 0)
                     codes = _codes_operand(_tile_bytes(kr, g, p, has))
-                    if PREP_IN_KERNEL:
-                        pk = (((st - 1) * B + b) * HKV + hk) * NB * D
-                        a, tot_r, qmin_r = _prep_columns(q_row, k_res_scale + pk, k_res_min + pk, cb)
-                        acc = mma_v2(codes, _shared_operand(smem, a), acc)
-                        tot += tot_r
-                        has_k = gl.load(rows + ((st - 1) * B + b) * S + nk, mask=bulk, other=-1) >= 0
-                        add += gl.where(gl.expand_dims(has_k, 1), _to_columns(qmin_r), 0.0)
-                    else:
-                        acc = mma_v2(codes, _q_columns(a_row + st * ROWS * NB * D, cb), acc)
-                if PREP_IN_KERNEL:  # codes come as 1024 + code (absent rows: 1024) in every stream
-                    acc += add - 1024.0 * _to_columns(tot)
+                    acc = mma_v2(codes, _q_columns(a_row + st * ROWS * NB * D, cb), acc)
                 sacc += gl.sum(gl.where(hit, acc, 0.0), 1)
                 blo = gl.min(gl.where(bulk & (blk >= blo + NCOL), blk, NB), 0)
             s = gl.where(bulk, (sacc + bias) * scale, float("-inf"))
@@ -483,14 +421,13 @@ def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_b
 
 def launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
                          k_res_min, k_res_scale, rows, res_layout, scale: float, chunk: int, split: int, depth: int,
-                         run=None, prep_in_kernel: bool = False):
+                         run=None):
     """The body of ``flashloop::mma_gather_scores`` (registered in packed_ops.py): a correction's
     scores over the selected keys keys [R, KMAX] (count [R] valid, R = B * Hkv rows) at ``depth``
     into scores [R, KMAX] and the split partials part_m / part_l [R, split] (splits of ``chunk``
     list entries, a multiple of the tile). k: the window buffer [B, Hkv, NW, D] from lo[b] on
     (unit channel stride), q [B, Hkv, 1, D] (unit channel stride), the cache tensors as
-    packed_kv's. ``run`` as launch_scores'. ``prep_in_kernel``: the kernel's PREP_IN_KERNEL (no
-    _prep_kernel launch)."""
+    packed_kv's. ``run`` as launch_scores'."""
     run = run or _run
     bsz, hkv = q.shape[0], q.shape[1]
     cache_b, _, s, _ = k_base.shape  # [B, H, S, D/2]
@@ -498,13 +435,10 @@ def launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, 
         raise ValueError(f"launch_gather_scores: chunk {chunk} is not a multiple of the {TILE}-key tile")
     nb = s // GROUP
     rows_n = bsz * hkv
-    if prep_in_kernel:
-        a, bias = q, scores  # (unused)
-    else:
-        a, bias = _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb, cache_b, depth, run)
+    a, bias = _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb, cache_b, depth, run)
     return run(_mma_gather_scores_kernel, (rows_n, split))(
         q, k, keys, count, scores, part_m, part_l, lo, a, bias,
         s, hkv, keys.shape[1], scale, k.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         chunk, split, k_base, k_res, rows, res_layout, cache_b, nb, k_res.shape[2], rows_n,
         k_base_min, k_base_scale, k_res_min, k_res_scale,
-        DEPTH=depth, PREP_IN_KERNEL=prep_in_kernel, num_warps=WARPS)
+        DEPTH=depth, num_warps=WARPS)

@@ -452,55 +452,6 @@ def _select_compact_kernel(
 
 
 @triton.jit
-def _digit(i, KEYB: tl.constexpr, RADIX: tl.constexpr):
-    """(low bit, width) of digit i of the radix select (_radix_digits: the top digit first)."""
-    hi = KEYB - RADIX * i
-    lo = tl.maximum(hi - RADIX, 0)
-    return lo, hi - lo
-
-
-@triton.jit
-def _select_row_kernel(
-    p_ptr, pm_ptr, pl_ptr, kk_ptr, keys_ptr, thr_ptr, cut_ptr,
-    S, R, J, SPLIT_A, KMAX,
-    SPLIT_A_P2: tl.constexpr, NB: tl.constexpr, RADIX: tl.constexpr, KEYB: tl.constexpr, ND: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The whole selection of one row in one program (KernelConfig.select_fused): what
-    _select_first_kernel, the _select_level_kernel levels and _select_compact_kernel compute with a
-    single chunk per row, in one launch instead of 2 + ND, with no histograms through memory. The
-    row is read once per digit (from L2). Same outputs bit for bit: probabilities in place of the
-    scores, keys (ascending), K* (thr) and the last tie taken (cut)."""
-    row = tl.program_id(0).to(tl.int64)
-    lo0, _w0 = _digit(0, KEYB, RADIX)
-    hist0 = _normalize_hist(p_ptr + row * S, pm_ptr + row * SPLIT_A, pl_ptr + row * SPLIT_A, SPLIT_A, 0, S, lo0,
-                            SPLIT_A_P2, NB, BLOCK)
-    for j in range(J):
-        jr = j * R + row
-        k = tl.load(kk_ptr + jr)
-        pre = tl.zeros([], tl.int32)
-        rnk = k
-        h = hist0
-        for i in tl.static_range(1, ND):  # digit i - 1 fixed, digit i histogrammed inside its bucket
-            prev_lo, prev_w = _digit(i - 1, KEYB, RADIX)
-            cur_lo, _cw = _digit(i, KEYB, RADIX)
-            d, above = _pick_digit(h, rnk, NB)
-            pre = (pre << prev_w) | d
-            rnk = rnk - above
-            h = _digit_hist(p_ptr + row * S, 0, S, pre, prev_lo, cur_lo, NB, BLOCK)
-        _last_lo, last_w = _digit(ND - 1, KEYB, RADIX)
-        d, above = _pick_digit(h, rnk, NB)
-        kstar = (pre << last_w) | d  # the exact k-th largest key
-        need = rnk - above  # how many keys equal to K* are taken (lowest indices first)
-        kstar = tl.where(k > 0, kstar, 2147483647)
-        need = tl.where(k > 0, need, 0)
-        tl.store(thr_ptr + jr, kstar)
-        zero = tl.zeros([], tl.int32)
-        cut = _compact_range(p_ptr + row * S, keys_ptr + jr * KMAX, 0, S, kstar, need, zero, zero, KMAX, BLOCK)
-        tl.store(cut_ptr + jr, cut, mask=cut >= 0)
-
-
-@triton.jit
 def _pv_kernel(
     p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr,
     S, HKV, R, R_GROUP, E_GROUP, E_TOTAL,
@@ -938,14 +889,6 @@ class KernelConfig:
     # 14: per site 119 vs 217 us at B4 x 32K, 41 vs 65 us at B1; the 4x32K step 28.54 vs 30.85 ms,
     # one process per config (benchmarks/RESULTS.md, session 14)
     pv_mma: bool = True
-    # gluon_pv's COMPACT_KEYS (opt-in, untimed): p and the selection test once per key, moved to the
-    # MMA's weight layout through shared memory (13% fewer instructions per tile, 11 instead of 12
-    # programs per SM at sm_90; bench_mma_pv.py --compact)
-    pv_compact_keys: bool = False
-    # the top-k selection in one program per row and one launch (_select_row_kernel, opt-in,
-    # untimed) instead of 2 + digits launches of block_sel chunks: the same outputs bit for bit;
-    # the split select costs ~66 us per site at B4 x 32K in 5 dependent launches (1.58 ms/step)
-    select_fused: bool = False
     # the code-domain correction (correction_linear_triton: opt-in, PACKED_CORRECTION["linear"]) on fp16
     # tensor cores where it applies (gluon_scores._mma_gather_scores_kernel, gluon_pv._mma_pv_gather_kernel:
     # CUDA sm_80+, head_dim 128, K blocks and V groups of 64) instead of _correction_linear_kernel
@@ -953,10 +896,6 @@ class KernelConfig:
     # session 16: correct (tests/gpu), 1.6-2x faster than the tl kernel, still 1.1-1.3x slower than
     # read-then-correct per site (the gathers run at 10 / 12 warps per SM: latency-starved)
     correction_mma: bool = True
-    # ... with q' and the biases formed in the gathered scores kernel per round (its PREP_IN_KERNEL: no
-    # _prep_kernel launch, no q' table written and read; 40% more instructions per round, sm_90).
-    # Opt-in, session 15, untimed
-    correction_prep_in_kernel: bool = False
     # waves of resident programs the gathered correction kernels' splits target (gluon_pv.splits of
     # n_sm * waves): shorter splits, less of a trailing wave. Session 16 (H200, 32K, per site, depth
     # 2 / 3): B1 waves 1, 2, 4: 95.8 / 117.6, 92.0 / 111.6, 100.2 / 112.7 us; B4 248.0 / 332.7,
@@ -1271,19 +1210,8 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
 
     # 2. radix select (probabilities written in place of the scores)
     digits = _radix_digits()
-    if cfg.select_fused:  # one program per row, one launch
-        keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
-        thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
-        cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
-        launch(_select_row_kernel, (rows,))(
-            probs, part_m, part_l, kk, keys, thr, cut,
-            s, rows, f, split_a, kmax,
-            SPLIT_A_P2=next_pow2(split_a), NB=1 << RADIX_BITS, RADIX=RADIX_BITS, KEYB=KEY_BITS, ND=len(digits),
-            BLOCK=cfg.block_sel, num_warps=cfg.num_warps_sel,
-        )
-    else:
-        keys, thr, cut = _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
-                                       n_sm, cfg, launch, dev)
+    keys, thr, cut = _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
+                                   n_sm, cfg, launch, dev)
     # 3. O_ref, C_ref and mass in one pass over V, then the split combine
     e_group = (f + 1) * m_group
     block_e = max(16, next_pow2(min(e_group, 64)))
@@ -1294,7 +1222,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     block_n_pv = cfg.block_n_pv or cfg.block_n
     pv_mma = linear is not None and cfg.pv_mma and not _cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
     if pv_mma:  # one-warp programs
-        chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s, gluon_pv.resident(cfg.pv_compact_keys))
+        chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s)
     else:
         chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
     e_total = (f + 1) * rows
@@ -1307,7 +1235,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         torch.ops.flashloop.mma_linear_pv(
             probs, v if v.stride(3) == 1 else v.contiguous(), thr[0], cut[0], part_o, part_mass, lo,
             v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-            chunk_c, split_c, depth, cfg.pv_compact_keys)
+            chunk_c, split_c, depth)
     elif linear is not None:
         launch(_pv_linear_kernel, (b * hkv, split_c))(
             probs, v, thr, cut, part_o, part_mass, lo,
@@ -1384,13 +1312,13 @@ def linear_decode_triton(q, k, v, mask, scale, linear, out, *, config: KernelCon
         q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(), mask_full,
         scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min, k_res_scale,
         rows_map, res_layout, float(scale), chunk_a, split_a, depth)
-    chunk_c, split_c = gluon_pv.splits(sm_count(dev), rows, s, gluon_pv.resident(cfg.pv_compact_keys))
+    chunk_c, split_c = gluon_pv.splits(sm_count(dev), rows, s)
     part_o = torch.empty(split_c, 2 * rows, d, dtype=torch.float32, device=dev)
     part_mass = torch.empty(split_c, 2 * rows, dtype=torch.float32, device=dev)
     torch.ops.flashloop.mma_linear_decode_pv(
         scores, v if v.stride(3) == 1 else v.contiguous(), part_m, part_l, part_o, part_mass, lo,
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-        chunk_c, split_c, depth, cfg.pv_compact_keys)
+        chunk_c, split_c, depth)
     o32 = torch.empty(rows, d, dtype=torch.float32, device=dev)  # (the combine's FP32 copies: unused)
     c32 = torch.empty(rows, d, dtype=torch.float32, device=dev)
     m32 = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -1492,7 +1420,7 @@ def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scal
     torch.ops.flashloop.mma_gather_scores(
         q if q.stride(3) == 1 else q.contiguous(), window_k if window_k.stride(3) == 1 else window_k.contiguous(),
         keys_c, count_c, scores, score_m, score_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
-        k_res_scale, rows_map, res_layout, float(scale), chunk_a, split_a, depth, cfg.correction_prep_in_kernel)
+        k_res_scale, rows_map, res_layout, float(scale), chunk_a, split_a, depth)
     chunk_c, split_c = gluon_pv.splits(n_sm, rows, kmax, gluon_pv.GATHER_RESIDENT)
     pm = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
     pl = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
