@@ -89,7 +89,8 @@ def _profiled_us(step, n: int) -> dict[str, tuple[float, int]]:
 
 
 def kernel_profile(replay, eager, n: int, step_ms: float) -> dict:
-    """Per-step time, share and launches of each bucket and of the top 15 names over ``n`` calls of
+    """Per-step time, share and launches of each bucket, of the top 15 names and of every glue kernel
+    (buckets "inductor" and "other") over ``n`` calls of
     ``replay`` (the timed CUDA graph); ``eager`` (the compiled step, no graph) is profiled instead
     where the replays show no kernels. ``step_ms``: the timed step, for the share the kernels cover."""
     cuda = torch.cuda.is_available()
@@ -115,6 +116,10 @@ def kernel_profile(replay, eager, n: int, step_ms: float) -> dict:
         "ms": total / n / 1e3, "share_of_step": total / n / 1e3 / step_ms,
         "buckets": {b: entry(*v) for b, v in sorted(per.items(), key=lambda kv: -kv[1][0])},
         "top": [{"name": name[:200], "bucket": bucket(name), **entry(*v)} for name, v in top],
+        # every kernel outside the named buckets (Inductor's generated ones, ATen's): the glue a
+        # config adds around its ops is only visible by name
+        "glue": [{"name": name[:200], "bucket": bucket(name), **entry(*v)}
+                 for name, v in sorted(times.items(), key=lambda kv: -kv[1][0]) if bucket(name) in ("inductor", "other")],
     }
 
 

@@ -197,6 +197,35 @@ def test_chunked_flush_writes_the_same_cache(chunks):
         assert_same_cache(ca, ck, f"long prompt depth {d} ({chunks} ranges)")
 
 
+def test_one_token_writes_match_aten_across_a_flush_with_a_padded_row():
+    # decode writes one token per call (launch_packed_kv_write's ONE_TOKEN: no search keys, no run
+    # test): the same cache tensors as the ATen body at every depth of every step, over steps that
+    # flush row 0's group 64..127 (its ring full at 128), row 1 padded (-1) on alternate steps and
+    # token-sparse residuals (depths 2-3 on a subset of the prompt and of the steps)
+    ca = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
+    ck = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    n = 120
+    k, v = torch.randn(2, H, n, D, generator=g), torch.randn(2, H, n, D, generator=g)
+    pos = torch.arange(n)[None].repeat(2, 1)
+    pos[1, 50:] = -1
+    for d in range(R):
+        sel = torch.where(torch.rand(2, n, generator=g) < (1.0 if d < 2 else 0.4), pos, -1)
+        P.packed_kv_write_aten(*ca.op_tensors(0), k + d, v - d, sel, d)
+        write_kernel(ck, 0, k + d, v - d, sel, d)
+    assert_same_cache(ca, ck, "the prompt")
+    for step in range(12):
+        p = torch.tensor([[n + step], [50 + step // 2 if step % 2 == 0 else -1]])
+        kt, vt = torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g)
+        for d in range(R):
+            sel = p if d < 2 or step % 3 else torch.full_like(p, -1)
+            P.packed_kv_write_aten(*ca.op_tensors(0), kt + d, vt - d, sel, d)
+            write_kernel(ck, 0, kt + d, vt - d, sel, d)
+            assert_same_cache(ca, ck, f"step {step} depth {d}")
+    flushed = dict(zip(P.CACHE_NAMES, ca.op_tensors(0)))["flushed"]
+    assert flushed[0, 0].item() == 64, f"the steps flushed row 0's second group: {flushed}"
+
+
 def test_overflow_matches_aten():
     ca = PackedKVCache(1, 3, 1, 128, H, D, residual_capacity=[8, 2], dtype=torch.float32)
     ck = PackedKVCache(1, 3, 1, 128, H, D, residual_capacity=[8, 2], dtype=torch.float32)

@@ -267,7 +267,7 @@ def _write_flush_kernel(
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, NCH: tl.constexpr = 1,
-    RP: tl.constexpr = 4,
+    RP: tl.constexpr = 4, ONE_TOKEN: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
@@ -298,8 +298,12 @@ def _write_flush_kernel(
     cap = tl.load(res_layout + R + depth)
 
     # the call's positions are first, first + 1, ... (a prompt or a chunk): index = p - first,
-    # no binary search (a chain of NSEARCH dependent loads per group)
-    consecutive = tl.load(contig + b) != 0
+    # no binary search (a chain of NSEARCH dependent loads per group). One token (decode) is
+    # always such a run: a padded row (first = -1) puts every p >= 0 out of the call's range
+    if ONE_TOKEN:
+        consecutive = tl.full([], 1, tl.int1)
+    else:
+        consecutive = tl.load(contig + b) != 0
     first = tl.load(positions + b * sp_b, mask=Tn > 0, other=-1)
     # NCH programs per (b, h) split the row's groups into contiguous ranges; each first counts
     # the rows the groups before its range allocate (depth > 0 allocates residual rows in order)
@@ -1515,7 +1519,10 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         return
     dev = k.device
     scratch = torch.empty(Bc, 2, dtype=torch.int32, device=dev)
-    if Tn:
+    one_token = isinstance(Tn, int) and Tn == 1
+    if one_token:  # decode: no search keys and no run test (two small launches per write, ~2 us)
+        skey = contig = positions
+    elif Tn:
         skey = torch.cummax(positions, dim=1).values.contiguous()
         first = positions[:, :1]
         steps = torch.arange(Tn, device=dev, dtype=positions.dtype)
@@ -1534,7 +1541,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, RP=next_pow2(R), num_warps=8,
+        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, RP=next_pow2(R), ONE_TOKEN=one_token, num_warps=8,
     )
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
