@@ -243,6 +243,8 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
         run("write 8K depth 1", lambda: K.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
+        t1, _q1, kv1, pos1, _out1 = _decode_setup(4, 32768)  # a decode step's write (ONE_TOKEN)
+        run("write one token depth 1", lambda: K.launch_packed_kv_write(t1, kv1, kv1, pos1, 1, wrap=wrap))
     return [(label, grid, kwargs, compiled) for label, (_, grid, kwargs, compiled) in zip(labels, sink)]
 
 

@@ -190,3 +190,20 @@ def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
     assert first["ipc/smsp"] == 0.23 and first["noelig%"] == 76.7
     assert first["stalls"] == {"barrier": 1.93, "long_scoreboard": 14.91}
     assert (second["kernel"], second["us"], second["GB/s"]) == ("_read_bulk_kernel", 137.9, 980.5)
+
+
+@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
+def test_a_one_token_write_compiles_without_the_search():
+    # a decode step's write (launch_packed_kv_write's ONE_TOKEN, session 16): the flush kernel for
+    # sm_90 without the binary search over the call's positions -- fewer instructions and 64-bit
+    # loads than the prompt's write, no spills
+    run = subprocess.run(
+        [sys.executable, "scripts/kernel_report.py", "--only", "write", "--json"],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    many, one = rows["write 8K depth 1 [_write_flush_kernel]"], rows["write one token depth 1 [_write_flush_kernel]"]
+    assert one["spill_ops"] == 0 and many["spill_ops"] == 0, (one, many)
+    assert one["instructions"] < many["instructions"], (one["instructions"], many["instructions"])
+    assert one["loads"].get("LDG.E.64", 0) < many["loads"].get("LDG.E.64", 0), (one["loads"], many["loads"])
