@@ -16,17 +16,26 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
+def _report(*args: str, tuning: dict | None = None) -> list[dict]:
+    """The rows of ``scripts/kernel_report.py --json`` with ``args`` (and ``--tuning``), in launch order."""
+    extra = ["--tuning", json.dumps(tuning)] if tuning is not None else []
+    run = subprocess.run(
+        [sys.executable, "scripts/kernel_report.py", *args, "--json", *extra],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return [json.loads(line) for line in run.stdout.splitlines()]
+
+
+def _report_by_name(*args: str) -> dict[str, dict]:
+    return {r["kernel"]: r for r in _report(*args)}
+
+
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
 def test_decode_bulk_kernel_fits_sixteen_warps_per_sm_without_spills():
     # The fused fast path it replaced spilled (255 registers, 8 warps per SM: the latency-bound
     # decode of session 4); the separate bulk kernel at 16-key tiles is designed to 128 registers.
-    run = subprocess.run(
-        [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json",
-         "--tuning", json.dumps({"block_n": 16, "num_stages": 1, "linear": False})],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = [json.loads(line) for line in run.stdout.splitlines()]
+    rows = _report("--only", "decode", tuning={"block_n": 16, "num_stages": 1, "linear": False})
     kernels = [r["kernel"] for r in rows]
     assert kernels == ["decode fast B4 32K [_decode_bulk_kernel]", "decode fast B4 32K [_attn_kernel]",
                        "decode fast B4 32K [_combine_kernel]", "decode generic B4 32K [_attn_kernel]",
@@ -42,13 +51,8 @@ def test_decode_bulk_kernel_fits_sixteen_warps_per_sm_without_spills():
 def test_maxnreg_reaches_the_bulk_kernel_through_its_pinned_config():
     # maxnreg is not a launch keyword wrap_triton forwards: the launcher pins it with a one-config
     # autotuner. At depth 3 with two pipeline stages the kernel would take 161 registers.
-    run = subprocess.run(
-        [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json", "--depth", "3",
-         "--tuning", json.dumps({"block_n": 16, "num_stages": 2, "maxnreg": 128, "linear": False})],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    bulk = json.loads(run.stdout.splitlines()[0])
+    bulk = _report("--only", "decode", "--depth", "3",
+                   tuning={"block_n": 16, "num_stages": 2, "maxnreg": 128, "linear": False})[0]
     assert bulk["kernel"].endswith("[_decode_bulk_kernel]")
     assert bulk["regs"] <= 128 and bulk["spill_ops"] == 0 and bulk["warps_per_sm"] == 16, bulk
     assert bulk["loads"].get("LDGSTS.E.64", 0) > 0  # the base codes arrive by cp.async (pipelined)
@@ -60,13 +64,7 @@ def test_linear_decode_kernel_at_depth_three_holds_twelve_warps_per_sm():
     # registers per decoded element. At bn32 w4 stages 2 and depth 3 the reconstructing kernel
     # needs 186 registers (8 warps per SM); the linear one 168 (12), with fewer instructions in all.
     def report(tuning):
-        run = subprocess.run(
-            [sys.executable, "scripts/kernel_report.py", "--only", "decode", "--json", "--depth", "3",
-             "--tuning", json.dumps(tuning)],
-            cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
-        return json.loads(run.stdout.splitlines()[0])
+        return _report("--only", "decode", "--depth", "3", tuning=tuning)[0]
 
     old, linear = report({"num_stages": 2, "linear": False}), report({"num_stages": 2, "linear": True})
     assert linear["kernel"].endswith("[_decode_bulk_kernel]")
@@ -80,12 +78,7 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     # Triton's pipeliner (cp.async needs 4 bytes): with the V parameters loaded as fp16 the PV
     # kernel waited a memory latency per key tile (3x slower on the H200); as 32-bit words there is
     # no LDG.E.U16 left in it. Both kernels must compile without spills at ouro-1.4b's shape.
-    run = subprocess.run(
-        [sys.executable, "scripts/kernel_report.py", "--only", "sparse", "--json"],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    rows = _report_by_name("--only", "sparse")
     scores = rows["sparse linear reference B4 32K [_scores_linear_kernel]"]
     pv = rows["sparse linear reference B4 32K [_pv_linear_kernel]"]
     for r in (scores, pv):
@@ -197,12 +190,7 @@ def test_a_one_token_write_compiles_without_the_search():
     # a decode step's write (launch_packed_kv_write's ONE_TOKEN, session 16): the flush kernel for
     # sm_90 without the binary search over the call's positions -- fewer instructions and 64-bit
     # loads than the prompt's write, no spills
-    run = subprocess.run(
-        [sys.executable, "scripts/kernel_report.py", "--only", "write", "--json"],
-        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    rows = {r["kernel"]: r for r in map(json.loads, run.stdout.splitlines())}
+    rows = _report_by_name("--only", "write")
     many, one = rows["write 8K depth 1 [_write_flush_kernel]"], rows["write one token depth 1 [_write_flush_kernel]"]
     assert one["spill_ops"] == 0 and many["spill_ops"] == 0, (one, many)
     assert one["instructions"] < many["instructions"], (one["instructions"], many["instructions"])
