@@ -237,7 +237,7 @@ if gluon is not None:
     def _mma_gather_scores_kernel(
         q_ptr, k_ptr, keys_ptr, count_ptr, s_ptr, pm_ptr, pl_ptr, lo_ptr, a_ptr, bias_ptr,
         S, HKV, KMAX, scale, NW, sqb, sqh, skb, skh, sks, CHUNK, SPLIT,
-        k_base, k_res, rows, res_layout, B, NB, CAPT, ROWS, k_base_min, k_base_scale, k_res_min, k_res_scale,
+        k_base, k_res, rows, res_layout, B, NB, CAPT, ROWS,
         DEPTH: gl.constexpr,
     ):
         """The scores of a correction at depth DEPTH (one query row per kv head, row = b * HKV + hk)
@@ -440,5 +440,4 @@ def launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, 
         q, k, keys, count, scores, part_m, part_l, lo, a, bias,
         s, hkv, keys.shape[1], scale, k.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         chunk, split, k_base, k_res, rows, res_layout, cache_b, nb, k_res.shape[2], rows_n,
-        k_base_min, k_base_scale, k_res_min, k_res_scale,
         DEPTH=depth, num_warps=WARPS)
