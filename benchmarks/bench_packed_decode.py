@@ -189,6 +189,12 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("correction linear mma", {"correction": "linear", "config": {"correction_mma": True}}),
     *[(f"correction linear mma w{w}", {"correction": "linear", "config": {"correction_mma": True, "correction_waves": w}})
       for w in (1, 2, 4, 8)],
+    # the correction read and attended in one pass (PACKED_CORRECTION["read_attend"], session 17:
+    # packed_ops.correction_read_attend, the bulk read's tiles attended in registers, one softmax
+    # partial per tile, no BF16 copy), at the read's tile and warps
+    ("correction read attend", {"correction": "read_attend"}),
+    *[(f"correction read attend {tag}", {"correction": "read_attend", "read_config": cfg})
+      for tag, cfg in (("bp16", {"block_p": 16}), ("w8", {"num_warps": 8}), ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     # and the per-key-lane online softmax (KernelConfig.lane_corr)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})
@@ -293,6 +299,9 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                                 K.PACKED_REFERENCE.update(saved)
                         if "correction" in kw:
                             _, keys, count, mass, o_ref, c_ref = corr_inputs()
+                            if kw["correction"] == "read_attend":
+                                return P.correction_read_attend(q, keys[0], count[0], mass[0], o_ref, c_ref[0], (pd, kd, vd),
+                                                                depth, tensors, scale)
                             if kw["correction"] == "read":
                                 sel = selected_positions(keys[0], count[0], H)
                                 k_sel = torch.empty(B, H, sel.shape[-1], D, device="cuda", dtype=DT)

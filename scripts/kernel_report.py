@@ -239,6 +239,11 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
         run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
         run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
+        # a correction's selected keys read and attended in one pass (PACKED_CORRECTION["read_attend"])
+        keys = torch.zeros(4, 16, 1, 3277, dtype=torch.int32)
+        count = torch.full((4, 16, 1), 3277, dtype=torch.int32)
+        run("read attend B4 32K (correction)",
+            lambda: K.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]

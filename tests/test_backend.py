@@ -135,13 +135,15 @@ def test_feature_config_through_inductor_matches_eager_rewrite(name):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_the_code_domain_correction_form_equals_the_two_op_form(tiny_model, monkeypatch):
-    """tables.PACKED_CORRECTION["linear"] (opt-in): each loop-3/4 correction is one
-    flashloop.packed_correction_attention over the packed history instead of a compact packed_read
-    and a correction_attention. Its CPU body is that two-op form, so sparse decode + quantization
-    generates the same logits either way: the new op gets the pass's in-flight tokens, depth and
-    reference state in the right places (its CUDA body is checked against this form in
-    tests/gpu/test_packed_gpu.py)."""
+@pytest.mark.parametrize("form", ["linear", "read_attend"])
+def test_the_one_op_correction_forms_equal_the_two_op_form(form, tiny_model, monkeypatch):
+    """tables.PACKED_CORRECTION["linear"] / ["read_attend"] (opt-in): each loop-3/4 correction is
+    one flashloop.packed_correction_attention over the packed history instead of a compact
+    packed_read and a correction_attention. Its CPU body is that two-op form, so sparse decode +
+    quantization generates the same logits either way: the new op gets the pass's in-flight
+    tokens, depth and reference state in the right places (its CUDA bodies are checked against
+    this form in tests/gpu/test_packed_gpu.py, the read-and-attend kernel also by the interpreter
+    in tests/lowering/test_correction_read_attend.py)."""
     import collections
 
     from flashloop_compile.backend import make_backend
@@ -151,7 +153,7 @@ def test_the_code_domain_correction_form_equals_the_two_op_form(tiny_model, monk
     options = {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True}
     runs, ops = {}, {}
     for linear in (False, True):
-        monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", linear)
+        monkeypatch.setitem(tables.PACKED_CORRECTION, form, linear)
         inner = make_backend(options, inner="eager")
         seen = ops[linear] = collections.Counter()
 

@@ -40,8 +40,10 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   decode's correction at ``depth`` (``correction_attention``) over the history as ``packed_read``
   returns it at the selected keys: equal to ``packed_read`` of ``selected_positions`` then
   ``correction_attention`` over that compact read with ``local_keys`` (the kv_quant pass's default
-  form). Emitted instead when ``tables.PACKED_CORRECTION["linear"]``: its CUDA body scores and
-  weights the selected keys on their codes, without their BF16 copy.
+  form). Emitted instead when ``tables.PACKED_CORRECTION["read_attend"]`` or ``["linear"]``: its CUDA
+  body reconstructs and attends the selected keys in registers (one query row per kv head:
+  ``correction_read_attend``), or with "linear" scores and weights them on their codes; neither
+  writes a BF16 copy of the selected keys.
 
 Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
 depth d passes only the tokens active at d, whose last position can lie far before the prompt's
@@ -57,6 +59,7 @@ import torch
 from torch import Tensor
 
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
+from flashloop_compile.lowering.tables import PACKED_CORRECTION
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
 
@@ -621,6 +624,24 @@ def correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth: int
     return sd.correction_linear_triton(q, kw, vw, keys, count, mass, o_ref, c_ref, scale, (cache, depth, lo), wrap=True)
 
 
+def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float, *,
+                           block_p: int | None = None) -> Tensor:
+    """packed_correction_attention's body for one query row per kv head (the default): the
+    selected keys reconstructed and attended in registers, one softmax partial per tile
+    (``packed_kv.launch_packed_read_attend``), then combined with O_ref - C_ref
+    (``sparse_decode.correction_combine_triton``): the read-then-correct values without the BF16
+    copy of the selected keys. Runs the Triton kernels (the interpreter's on CPU tensors: tests);
+    ``block_p``: keys per program (tests)."""
+    from flashloop_compile.lowering.kernels import sparse_decode as sd
+
+    K = _kernels()
+    part_m, part_l, part_acc, _nt = K.launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
+                                                                wrap=wrap_triton, block_p=block_p)
+    out = torch.empty_like(q)
+    sd.correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True)
+    return out
+
+
 @torch.library.triton_op(f"{LIB}::packed_correction_attention", mutates_args=())
 def _packed_correction_attention(
     q: T_, keys: T_, count: T_, mass: T_, o_ref: T_, c_ref: T_,
@@ -641,8 +662,10 @@ def _packed_correction_attention(
 
     K = _kernels()
     hkv, D = k_base.shape[1], 2 * k_base.shape[3]
-    if q.shape[1] == hkv and q.shape[2] == 1 and not D & (D - 1):
+    if PACKED_CORRECTION["linear"] and q.shape[1] == hkv and q.shape[2] == 1 and not D & (D - 1):
         return correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
+    if K.read_attend_fits(q, cache):
+        return correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
     # several query rows or query heads per kv head: the compact read, then the correction over it
     sel = selected_positions(keys, count, hkv)
     shape = (q.shape[0], hkv, sel.shape[-1], D)

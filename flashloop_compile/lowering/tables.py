@@ -50,4 +50,8 @@ def with_overrides(defaults: dict, env: str) -> dict:
 # on their codes (sparse_decode.correction_linear_triton; on tensor cores with
 # KernelConfig.correction_mma) and reads only a window of the ring and in-flight tokens to BF16: no
 # copy of the selected keys (the 4x32K step's byte floor 9.8 instead of 12.3 ms, benchmarks/RESULTS.md).
-PACKED_CORRECTION = with_overrides({"linear": False}, "FLASHLOOP_PACKED_CORRECTION")
+# "read_attend" (opt-in, session 17): the same one op, whose CUDA body for one query row per kv head
+# reconstructs the selected keys as packed_read does and attends them in registers, one softmax
+# partial per tile of keys (packed_kv._read_attend_kernel), then combines: read-then-correct's values
+# without the BF16 copy's write and re-read. "linear" takes precedence where both are set.
+PACKED_CORRECTION = with_overrides({"linear": False, "read_attend": False}, "FLASHLOOP_PACKED_CORRECTION")

@@ -12,9 +12,9 @@ At each attention site (loop d, layer i) with an in-place cache:
   correction at loops 3..R (an op that takes K/V tensors) reads only the keys
   its reference selected, per kv head (``packed_read`` of [B, Hkv, P] positions, P = query heads
   per kv head x query rows x key capacity), and indexes that compact read; with
-  ``tables.PACKED_CORRECTION["linear"]`` (opt-in) it becomes one
-  ``flashloop.packed_correction_attention`` instead, which reads the selected keys' codes itself
-  (no BF16 copy of them). Either way the step's own tokens are their exact in-flight K/V (in-flight
+  ``tables.PACKED_CORRECTION["read_attend"]`` or ``["linear"]`` (opt-in) it becomes one
+  ``flashloop.packed_correction_attention`` instead, which reads the selected keys itself and
+  attends them in one pass (no BF16 copy of them). Either way the step's own tokens are their exact in-flight K/V (in-flight
   arguments: no merge after a read).
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
@@ -86,7 +86,8 @@ class KVResidualQuantizationPass(FlashLoopPass):
             f"{n} attention sites read the packed cache directly (flashloop.packed_attention; under sparse decode "
             f"the loop-2 reference becomes flashloop.packed_reference_attention, its corrections "
             + ("flashloop.packed_correction_attention over the selected keys' codes)" if PACKED_CORRECTION["linear"]
-               else "read the selected keys through flashloop.packed_read)"),
+               else "flashloop.packed_correction_attention, the selected keys read and attended in one pass)"
+               if PACKED_CORRECTION["read_attend"] else "read the selected keys through flashloop.packed_read)"),
         ]
 
     def apply(self, gm: fx.GraphModule, structure: LoopStructure) -> int:
@@ -136,8 +137,8 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 graph.erase_node(consumer)
                 ctx.replaced[site.node] = out
                 after = out
-            elif name == "flashloop.correction_attention" and PACKED_CORRECTION["linear"]:
-                # one op over the packed history: the selected keys on their codes, no BF16 copy
+            elif name == "flashloop.correction_attention" and (PACKED_CORRECTION["linear"] or PACKED_CORRECTION["read_attend"]):
+                # one op over the packed history: no BF16 copy of the selected keys
                 q_c, _k, _v, keys, count, mass, o_ref, c_ref, scale = consumer.args
                 with graph.inserting_before(consumer):
                     out = graph.call_function(

@@ -340,8 +340,9 @@ def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 @pytest.mark.parametrize("depth", [2, 3])
 def test_the_code_domain_correction_matches_read_then_correct(depth, order, monkeypatch):
-    # tables.PACKED_CORRECTION["linear"] (session 15, written without a GPU): the CUDA body of
-    # flashloop.packed_correction_attention -- loop 2's selected keys scored and weighted on their
+    # The CUDA bodies of flashloop.packed_correction_attention: without "linear", the selected keys
+    # read and attended in one pass (session 17, PACKED_CORRECTION["read_attend"]'s op); with
+    # tables.PACKED_CORRECTION["linear"] (session 15) loop 2's selected keys scored and weighted on their
     # codes, on tensor cores (gluon_scores / gluon_pv's gather kernels, KernelConfig.correction_mma)
     # and with the tl kernel (_correction_linear_kernel) -- against its ATen body (read, then
     # correct) and the default CUDA two-op form (compact packed_read + correction_attention), eager
@@ -373,6 +374,16 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
                                                       c_ref, D**-0.5)
     assert SD.correction_mma_fits(q_d, c.group_size, depth)
     got = {}
+    from flashloop_compile.lowering import tables
+
+    # the op's CUDA body without "linear": the selected keys read and attended in one pass
+    # (packed_ops.correction_read_attend, PACKED_CORRECTION["read_attend"]'s op), eager and compiled
+    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", False)
+    got["read attend"] = torch.ops.flashloop.packed_correction_attention(*cargs)
+    torch._dynamo.reset()
+    got["compiled read attend"] = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a),
+                                                backend="flashloop", fullgraph=True)(*cargs)
+    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", True)
     for name, over in (("tl", dict(correction_mma=False)), ("mma", {}), ("mma one wave", dict(correction_waves=1))):
         monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, **{"correction_mma": True, **over}))
         got[name] = torch.ops.flashloop.packed_correction_attention(*cargs)

@@ -71,14 +71,16 @@ def test_decode_quant_with_sparse_decode_counts():
 
 
 
-def test_the_code_domain_correction_is_one_op_per_site(monkeypatch):
-    # tables.PACKED_CORRECTION["linear"] (opt-in): each correction becomes one
+@pytest.mark.parametrize("form, plan_text", [("linear", "packed_correction_attention over the selected keys' codes"),
+                                             ("read_attend", "the selected keys read and attended in one pass")])
+def test_the_one_op_correction_forms_are_one_op_per_site(form, plan_text, monkeypatch):
+    # tables.PACKED_CORRECTION["linear"] / ["read_attend"] (opt-in): each correction becomes one
     # flashloop.packed_correction_attention over the packed history, no compact packed_read
     from flashloop_compile.lowering import tables
 
     from flashloop_compile.passes import recognize
 
-    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", True)
+    monkeypatch.setitem(tables.PACKED_CORRECTION, form, True)
     gm = _decode_graph(tiny())
     manager = PassManager(FlashLoopConfig.from_switches(False, True, True))
     plan = manager.plan(recognize(gm))
@@ -89,7 +91,7 @@ def test_the_code_domain_correction_is_one_op_per_site(monkeypatch):
         "flashloop.packed_correction_attention": 4,
         "flashloop.packed_kv_write": 8,
     }
-    assert any("packed_correction_attention over the selected keys' codes" in line for line in plan), plan
+    assert any(plan_text in line for line in plan), plan
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 2), group=st.sampled_from([1, 2, 4]), kv=st.integers(1, 2), t=st.integers(1, 3),

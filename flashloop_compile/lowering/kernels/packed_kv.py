@@ -442,19 +442,19 @@ def _write_tail_kernel(
 
 
 @triton.jit
-def _read_tile(
-    p, t, tm, b, h, depth,
+def _resolve_tile(
+    p, tm, b, h, depth,
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
-    out_k, out_v, in_positions, k_in, v_in,
+    in_positions, k_in, v_in,
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
-    P, Ti, B, H, S, NB, CAPT, R,
+    Ti, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr,
 ):
-    """packed_read of positions p (read-list indices t, tm: inside P) of row (b, h) with per-token
-    resolution (_reconstruct), the positions equal to one of the row's Ti in-flight positions
-    replaced by that token's K/V: the generic read of one tile."""
+    """K/V (fp32 even / odd halves [BP, NP], rounded to the compute dtype) of positions p (tm:
+    inside the read) of row (b, h) with per-token resolution (_reconstruct), the positions equal
+    to one of the row's Ti in-flight positions replaced by that token's K/V."""
     pm = tm & (p >= 0) & (p < S)
     ke, ko, ve, vo, _ok = _reconstruct(
         p, pm, b, h, depth,
@@ -476,13 +476,39 @@ def _read_tile(
         ve = tl.where(hit, tl.load(v_in + vo_, mask=imask, other=0.0).to(tl.float32)[None, :], ve)
         vo = tl.where(hit, tl.load(v_in + vo_ + sv_d, mask=imask, other=0.0).to(tl.float32)[None, :], vo)
         u += 1
-    m2 = tm[:, None] & imask[None, :]
+    return _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD)
+
+
+@triton.jit
+def _read_tile(
+    p, t, tm, b, h, depth,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    out_k, out_v, in_positions, k_in, v_in,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr,
+):
+    """packed_read of positions p (read-list indices t, tm: inside P) of row (b, h): the generic
+    read of one tile (_resolve_tile), stored at slots t."""
+    ke, ko, ve, vo = _resolve_tile(
+        p, tm, b, h, depth,
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        in_positions, k_in, v_in,
+        sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+        Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP,
+    )
+    i = tl.arange(0, NP)
+    m2 = tm[:, None] & (i < D // 2)[None, :]
     o = ((b * H + h) * P + t)[:, None] * D + 2 * i[None, :]
     ty = out_k.dtype.element_ty
-    tl.store(out_k + o, _round_to(ke, CD).to(ty), mask=m2)
-    tl.store(out_k + o + 1, _round_to(ko, CD).to(ty), mask=m2)
-    tl.store(out_v + o, _round_to(ve, CD).to(ty), mask=m2)
-    tl.store(out_v + o + 1, _round_to(vo, CD).to(ty), mask=m2)
+    tl.store(out_k + o, ke.to(ty), mask=m2)
+    tl.store(out_k + o + 1, ko.to(ty), mask=m2)
+    tl.store(out_v + o, ve.to(ty), mask=m2)
+    tl.store(out_v + o + 1, vo.to(ty), mask=m2)
 
 
 @triton.jit(do_not_specialize=["depth_arg"])
@@ -698,6 +724,108 @@ def _read_bulk_kernel(
                        out_k, out_v, in_positions, k_in, v_in,
                        sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
                        P, Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP)
+
+
+@triton.jit
+def _attend_tile(qe, qo, ke, ko, ve, vo, valid, scale):
+    """One query row against a tile of keys (even / odd halves [BP, D/2], valid [BP]): the tile's
+    softmax partial -- the score maximum (-inf with no valid key), the sum of exp(score - max)
+    and the exp-weighted V halves [D/2]."""
+    s = tl.where(valid, (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1)) * scale, float("-inf"))
+    m = tl.max(s, 0)
+    pr = tl.exp(s - tl.where(m > float("-inf"), m, 0.0))
+    return m, tl.sum(pr, 0), tl.sum(pr[:, None] * ve, 0), tl.sum(pr[:, None] * vo, 0)
+
+
+@triton.jit
+def _read_attend_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    q, keys, count, lim, in_positions, k_in, v_in, part_m, part_l, part_acc,
+    sq_b, sq_h, sq_d, skey_b, skey_h, skey_t, sc_b, sc_h,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    scale, P, Ti, NT, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Sparse decode's correction for one query row per kv head (row b * H + h), read and attended
+    in one pass: program z takes the selected keys [z * BP, (z + 1) * BP) of the row (keys
+    [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
+    packed_read does (a tile _bulk_read_tile's rule admits: _bulk_k / _bulk_v, no per-token state;
+    any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included) and writes the
+    tile's softmax partial (max, sum, weighted V) for _correction_combine_kernel. The values
+    attended are packed_read's, rounded to the compute dtype: the correction over the BF16 copy
+    without the copy (its write and its re-read)."""
+    HD: tl.constexpr = D // 2
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    z = tl.program_id(2)
+    out = (b * H + h) * NT + z
+    i = tl.arange(0, NP)
+    cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
+    if z * BP >= cnt:  # past the row's selection: an empty partial
+        tl.store(part_m + out, float("-inf"))
+        tl.store(part_l + out, 0.0)
+        tl.store(part_acc + out * D + 2 * i, tl.zeros([NP], tl.float32), mask=i < HD)
+        tl.store(part_acc + out * D + 2 * i + 1, tl.zeros([NP], tl.float32), mask=i < HD)
+        return
+    qn = q + b * sq_b + h * sq_h + 2 * i * sq_d
+    qe = tl.load(qn, mask=i < HD, other=0.0).to(tl.float32)[None, :]
+    qo = tl.load(qn + sq_d, mask=i < HD, other=0.0).to(tl.float32)[None, :]
+    kr = keys + b * skey_b + h * skey_h
+    t = z * BP + tl.arange(0, BP)
+    valid = t < cnt
+    p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
+    fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
+    p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
+    p_hi = tl.max(tl.where(valid, p, -1), 0)
+    if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < tl.load(lim + b)):  # the flushed bulk (_bulk_read_tile)
+        pc = tl.where(valid, p, 0).to(tl.int32)
+        kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
+        kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+            b * H + h, S, NB, CAPT, D, G,
+        )
+        ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
+                         B, H, S, NB, D, DEPTH)
+        ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G,
+                         BP, DEPTH)
+        m_i, l_i, acc_e, acc_o = _attend_tile(qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD),
+                                              _round_to(vo, CD), valid, scale)
+    else:  # the ring, the in-flight tokens, an unflushed depth: per-token resolution, sub-tile by sub-tile
+        BS: tl.constexpr = BP // SPLIT
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.zeros([], tl.float32)
+        acc_e = tl.zeros([NP], tl.float32)
+        acc_o = tl.zeros([NP], tl.float32)
+        for sub in range(SPLIT):
+            ts = z * BP + sub * BS + tl.arange(0, BS)
+            vs = ts < cnt
+            ps = tl.load(kr + ts * skey_t, mask=vs, other=-1).to(tl.int64)
+            ke, ko, ve, vo = _resolve_tile(
+                ps, vs, b, h, DEPTH,
+                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                in_positions, k_in, v_in,
+                sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+                Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP,
+            )
+            m_s, l_s, a_e, a_o = _attend_tile(qe, qo, ke, ko, ve, vo, vs, scale)
+            m_new = tl.maximum(m_i, m_s)
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+            w_old = tl.exp(m_i - m_use)
+            w_new = tl.exp(m_s - m_use)
+            l_i = l_i * w_old + l_s * w_new
+            acc_e = acc_e * w_old + a_e * w_new
+            acc_o = acc_o * w_old + a_o * w_new
+            m_i = m_new
+    tl.store(part_m + out, m_i)
+    tl.store(part_l + out, l_i)
+    tl.store(part_acc + out * D + 2 * i, acc_e, mask=i < HD)
+    tl.store(part_acc + out * D + 2 * i + 1, acc_o, mask=i < HD)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1624,6 +1752,58 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
         P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bpg, CD=cd, SKIP_BULK=bulk, RP=next_pow2(R), BPB=bp, num_warps=4,
     )
+
+
+def read_attend_fits(q, tensors) -> bool:
+    """Whether launch_packed_read_attend takes a correction: one query row per kv head and a
+    power-of-two head_dim with an even group (the bulk read's layout)."""
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    return q.shape[1] == H and q.shape[2] == 1 and q.shape[3] == D and not (D & (D - 1) or G % 2)
+
+
+def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float, *, inflight, wrap=no_wrap,
+                              block_p: int | None = None) -> tuple:
+    """Sparse decode's correction partials at ``depth`` for q [B, H, 1, D] (one query row per kv
+    head) over the selected keys [B, H, 1, P] (global positions, the first count [B, H, 1] valid)
+    of the packed history, the step's in-flight tokens ``inflight`` = (positions [B, Ti], k, v)
+    included: _read_attend_kernel, one program per tile of ``block_p`` keys (default
+    PACKED_READ["block_p"]'s rule). Returns (part_m, part_l [B * H, NT], part_acc [B * H, NT, D],
+    NT) in _correction_combine_kernel's layout."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    if not read_attend_fits(q, tensors):
+        raise ValueError(f"the read-and-attend correction needs q [B, {H}, 1, {D}] (one query row per kv head) and a "
+                         f"power-of-two head_dim with an even group; got q {tuple(q.shape)}, head_dim {D}, group {G}")
+    Bc, P = q.shape[0], keys.shape[-1]
+    np_ = next_pow2(D // 2)
+    bp = block_p or int(PACKED_READ.get("block_p") or (32 if np_ <= 64 else 16))
+    if _interpreting() and not block_p:
+        bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
+    split = max(1, min(bp, int(PACKED_READ["generic_split"])))
+    if bp % split:
+        raise ValueError(f"PACKED_READ generic_split {split} must divide the read tile {bp}")
+    nt = max(1, triton.cdiv(P, bp))
+    dev = q.device
+    part_m = torch.empty(Bc * H, nt, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=dev)
+    ip, k_in, v_in = inflight
+    lim = first_inflight(ip, S)  # below it a tile needs no overlay
+    wrap(_read_attend_kernel)[(Bc, H, nt)](
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        q, keys, count, lim, ip, k_in, v_in, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), q.stride(3), keys.stride(0), keys.stride(1), keys.stride(3),
+        count.stride(0), count.stride(1),
+        *ip.stride(), *k_in.stride(), *v_in.stride(),
+        float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
+        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
+        num_warps=PACKED_READ["num_warps"],
+    )
+    return part_m, part_l, part_acc, nt
 
 
 def launch_packed_attention(

@@ -1441,6 +1441,21 @@ def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scal
     return out
 
 
+def correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, *, wrap: bool = False) -> None:
+    """O_ref - C_ref + m * local into out [B, Hq, T, D] from a correction's softmax partials
+    (part_m / part_l [rows, SPLIT], part_acc [rows, SPLIT, D] per row b * Hq * T + h * T + t)."""
+    b, hq, t, d = out.shape
+    rows, split = part_m.shape
+    _Launcher(wrap)(_correction_combine_kernel, (rows,))(
+        part_m, part_l, part_acc, mass.reshape(rows).contiguous(), o_ref.reshape(rows, d).contiguous(),
+        c_ref.reshape(rows, d).contiguous(), out,
+        hq, t, split,
+        *out.stride(),
+        D=d, SPLIT_P2=next_pow2(split),
+        num_warps=4 if split <= 32 else 8,
+    )
+
+
 def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, *, wrap: bool = False, config: KernelConfig | None = None):
     """Triton body of ``flashloop::correction_attention``; same output as the ATen body."""
     launch = _Launcher(wrap)
