@@ -137,8 +137,8 @@ def test_feature_config_through_inductor_matches_eager_rewrite(name):
 
 @pytest.mark.parametrize("form", ["linear", "read_attend"])
 def test_the_one_op_correction_forms_equal_the_two_op_form(form, tiny_model, monkeypatch):
-    """tables.PACKED_CORRECTION["linear"] / ["read_attend"] (opt-in): each loop-3/4 correction is
-    one flashloop.packed_correction_attention over the packed history instead of a compact
+    """tables.PACKED_CORRECTION["read_attend"] (default) / ["linear"] (opt-in): each loop-3/4
+    correction is one flashloop.packed_correction_attention over the packed history instead of a compact
     packed_read and a correction_attention. Its CPU body is that two-op form, so sparse decode +
     quantization generates the same logits either way: the new op gets the pass's in-flight
     tokens, depth and reference state in the right places (its CUDA bodies are checked against
@@ -152,8 +152,9 @@ def test_the_one_op_correction_forms_equal_the_two_op_form(form, tiny_model, mon
 
     options = {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True}
     runs, ops = {}, {}
-    for linear in (False, True):
-        monkeypatch.setitem(tables.PACKED_CORRECTION, form, linear)
+    for linear in (False, True):  # False: the two-op (copy) form
+        monkeypatch.setitem(tables.PACKED_CORRECTION, "read_attend", linear and form == "read_attend")
+        monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", linear and form == "linear")
         inner = make_backend(options, inner="eager")
         seen = ops[linear] = collections.Counter()
 

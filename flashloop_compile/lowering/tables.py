@@ -43,15 +43,17 @@ def with_overrides(defaults: dict, env: str) -> dict:
     return table
 
 
-# Sparse decode's corrections under KV quantization (loops 3..R). Default: the kv_quant pass reads
-# the selected keys to BF16 (flashloop.packed_read of [B, Hkv, P] positions) and corrects over that
-# copy (flashloop.correction_attention). "linear" (opt-in, session 15, untimed): the pass emits one
-# flashloop.packed_correction_attention per site instead, which scores and weights the selected keys
-# on their codes (sparse_decode.correction_linear_triton; on tensor cores with
-# KernelConfig.correction_mma) and reads only a window of the ring and in-flight tokens to BF16: no
-# copy of the selected keys (the 4x32K step's byte floor 9.8 instead of 12.3 ms, benchmarks/RESULTS.md).
-# "read_attend" (opt-in, session 17): the same one op, whose CUDA body for one query row per kv head
-# reconstructs the selected keys as packed_read does and attends them in registers, one softmax
-# partial per tile of keys (packed_kv._read_attend_kernel), then combines: read-then-correct's values
-# without the BF16 copy's write and re-read. "linear" takes precedence where both are set.
-PACKED_CORRECTION = with_overrides({"linear": False, "read_attend": False}, "FLASHLOOP_PACKED_CORRECTION")
+# Sparse decode's corrections under KV quantization (loops 3..R). "read_attend" (the default since
+# session 17): the kv_quant pass emits one flashloop.packed_correction_attention per site, whose CUDA
+# body for one query row per kv head (Ouro's decode) reconstructs the selected keys as packed_read
+# does and attends them in registers, one softmax partial per tile of keys
+# (packed_kv._read_attend_kernel), then combines with O_ref - C_ref: read-then-correct's values
+# without the BF16 copy's write and re-read. Session 17 (H200, 32K, per site): B1 depth 2 / 3
+# 58.8 / 80.5 us against 81.1 / 93.6 for read-then-correct, B4 149.0 / 222.0 against 204.5 / 219.9;
+# the 1x32K sparse + quant step 14.34 ms against 15.01 (dense 12.80), benchmarks/RESULTS.md.
+# Off: the pass reads the selected keys to BF16 (flashloop.packed_read of [B, Hkv, P] positions) and
+# corrects over that copy (flashloop.correction_attention); several query rows or heads per kv head
+# take that form inside the op as well. "linear" (opt-in, session 15; takes precedence): the op's body
+# scores and weights the selected keys on their codes (sparse_decode.correction_linear_triton; on
+# tensor cores with KernelConfig.correction_mma), 1.1-1.3x slower than read-then-correct (session 16).
+PACKED_CORRECTION = with_overrides({"linear": False, "read_attend": True}, "FLASHLOOP_PACKED_CORRECTION")

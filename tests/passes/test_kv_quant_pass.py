@@ -64,6 +64,21 @@ def test_decode_quant_with_sparse_decode_counts():
     assert _counts(gm) == {
         "flashloop.packed_attention": 2,  # loop 1 reads the packed cache directly
         "flashloop.packed_reference_attention": 2,  # loop 2: the reference over the packed whole history
+        "flashloop.packed_correction_attention": 4,  # loops 3, 4: the selected keys read and attended in one op
+        "flashloop.packed_kv_write": 8,
+    }
+
+
+def test_decode_quant_with_sparse_decode_counts_in_the_copy_form(monkeypatch):
+    # PACKED_CORRECTION["read_attend"] off: a correction reads its selected keys to BF16, then corrects
+    from flashloop_compile.lowering import tables
+
+    monkeypatch.setitem(tables.PACKED_CORRECTION, "read_attend", False)
+    gm = _decode_graph(tiny())
+    PassManager(FlashLoopConfig.from_switches(False, True, True)).run(gm)
+    assert _counts(gm) == {
+        "flashloop.packed_attention": 2,
+        "flashloop.packed_reference_attention": 2,
         "flashloop.correction_attention": 4,
         "flashloop.packed_read": 4,  # a correction reads its selected keys
         "flashloop.packed_kv_write": 8,
@@ -74,13 +89,14 @@ def test_decode_quant_with_sparse_decode_counts():
 @pytest.mark.parametrize("form, plan_text", [("linear", "packed_correction_attention over the selected keys' codes"),
                                              ("read_attend", "the selected keys read and attended in one pass")])
 def test_the_one_op_correction_forms_are_one_op_per_site(form, plan_text, monkeypatch):
-    # tables.PACKED_CORRECTION["linear"] / ["read_attend"] (opt-in): each correction becomes one
-    # flashloop.packed_correction_attention over the packed history, no compact packed_read
+    # tables.PACKED_CORRECTION["read_attend"] (default) / ["linear"] (opt-in, alone): each correction
+    # becomes one flashloop.packed_correction_attention over the packed history, no compact packed_read
     from flashloop_compile.lowering import tables
 
     from flashloop_compile.passes import recognize
 
-    monkeypatch.setitem(tables.PACKED_CORRECTION, form, True)
+    monkeypatch.setitem(tables.PACKED_CORRECTION, "read_attend", form == "read_attend")
+    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", form == "linear")
     gm = _decode_graph(tiny())
     manager = PassManager(FlashLoopConfig.from_switches(False, True, True))
     plan = manager.plan(recognize(gm))
