@@ -39,11 +39,12 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   o_ref, c_ref, inflight_positions, k_inflight, v_inflight, depth, <cache>, scale) -> out``: sparse
   decode's correction at ``depth`` (``correction_attention``) over the history as ``packed_read``
   returns it at the selected keys: equal to ``packed_read`` of ``selected_positions`` then
-  ``correction_attention`` over that compact read with ``local_keys`` (the kv_quant pass's default
-  form). Emitted instead when ``tables.PACKED_CORRECTION["read_attend"]`` or ``["linear"]``: its CUDA
-  body reconstructs and attends the selected keys in registers (one query row per kv head:
-  ``correction_read_attend``), or with "linear" scores and weights them on their codes; neither
-  writes a BF16 copy of the selected keys.
+  ``correction_attention`` over that compact read with ``local_keys`` (the kv_quant pass's form
+  with ``tables.PACKED_CORRECTION`` "read_attend" off). The pass emits this op when
+  "read_attend" (the default) or "linear" is on: its CUDA body reconstructs and attends the
+  selected keys in registers (one query row per kv head: ``correction_read_attend``), or with
+  "linear" scores and weights them on their codes; neither writes a BF16 copy of the selected
+  keys. Several query rows or heads per kv head run the two-op form inside the op.
 
 Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
 depth d passes only the tokens active at d, whose last position can lie far before the prompt's
@@ -461,7 +462,8 @@ def local_keys(keys: Tensor, kv_heads: int) -> Tensor:
 def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, inflight_positions, k_inflight, v_inflight,
                                      depth, *rest) -> Tensor:
     """The correction over the packed history: packed_read of the selected keys, then
-    correction_attention over that compact read (the kv_quant pass's default two-op form)."""
+    correction_attention over that compact read (the kv_quant pass's two-op form, with
+    PACKED_CORRECTION "read_attend" off)."""
     from flashloop_compile.lowering.ops import _correction_attention_aten
 
     *cache, scale = rest
