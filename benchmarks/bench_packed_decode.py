@@ -191,10 +191,12 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
       for w in (1, 2, 4, 8)],
     # the correction read and attended in one pass (PACKED_CORRECTION["read_attend"], session 17:
     # packed_ops.correction_read_attend, the bulk read's tiles attended in registers, one softmax
-    # partial per tile, no BF16 copy), at the read's tile and warps
+    # partial per tile, no BF16 copy): the default (PACKED_READ attend_block_p: 32 keys per program
+    # at depth 2, 16 at depth 3, session 17), fixed tiles and warps
     ("correction read attend", {"correction": "read_attend"}),
     *[(f"correction read attend {tag}", {"correction": "read_attend", "read_config": cfg})
-      for tag, cfg in (("bp16", {"block_p": 16}), ("w8", {"num_warps": 8}), ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
+      for tag, cfg in (("bp16", {"block_p": 16}), ("bp32", {"block_p": 32}), ("w8", {"num_warps": 8}),
+                       ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     # and the per-key-lane online softmax (KernelConfig.lane_corr)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})

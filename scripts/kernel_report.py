@@ -8,6 +8,7 @@ LDG.E.128), or that reduces across warps through shared memory every key tile (B
 here before it is timed.
 
     python scripts/kernel_report.py                       # packed decode (fast, generic), prefill, sparse decode, read, write
+    python scripts/kernel_report.py --only attend --depth 3  # the read-and-attend correction alone
     python scripts/kernel_report.py --only read --depth 3  # loop depth of the decode and read launches (a bulk-kernel constexpr)
     python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
     python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS and loops (.loops.txt)
@@ -239,10 +240,12 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
         run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
         run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
+    if only in (None, "read", "attend"):
         # a correction's selected keys read and attended in one pass (PACKED_CORRECTION["read_attend"])
+        t, q, kv, pos, out = _decode_setup(4, 32768)
         keys = torch.zeros(4, 16, 1, 3277, dtype=torch.int32)
         count = torch.full((4, 16, 1), 3277, dtype=torch.int32)
-        run("read attend B4 32K (correction)",
+        run(f"read attend B4 32K (correction, {K.PACKED_READ['attend_block_p'][min(depth, 3)]} keys)",
             lambda: K.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
@@ -265,7 +268,7 @@ def resident_warps(regs: int | None, warps: int, shared: int) -> int | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["decode", "prefill", "sparse", "read", "write"])
+    ap.add_argument("--only", choices=["decode", "prefill", "sparse", "read", "attend", "write"])
     ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
     ap.add_argument("--depth", type=int, default=1, help="loop depth of the decode and read launches (0..R-1; a constexpr of the bulk kernels)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")

@@ -126,6 +126,17 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
         assert gpv["spill_ops"] == 0 and gpv["mma"] == 64 and gpv["warps_per_sm"] >= GPV.GATHER_RESIDENT, gpv
 
 
+@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
+def test_the_read_attend_correction_keeps_three_programs_per_sm_at_depth_three():
+    # PACKED_READ attend_block_p (session 17): 16 keys per program at depth 3, where 32 took 176
+    # registers (two programs per SM) and lost per site; no spills, the tile's codes in 128-bit loads
+    row, = _report("--only", "attend", "--depth", "3")
+    assert row["kernel"] == "read attend B4 32K (correction, 16 keys) [_read_attend_kernel]", row
+    assert row["grid"] == [4, 16, 205], row  # 3277 selected keys in tiles of 16
+    assert row["spill_ops"] == 0 and row["warps_per_sm"] >= 12, row
+    assert row["loads"].get("LDG.E.128", 0) > 0, row["loads"]
+
+
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
     # The per-tile instruction count of a key-tile loop (the report's "loop" column): a label and a
     # later branch back to it; a forward branch to a later label is not a loop.

@@ -102,3 +102,11 @@ def test_read_attend_refuses_several_query_heads_per_kv_head():
     with pytest.raises(ValueError, match="one query row per kv head"):
         K.launch_packed_read_attend(tensors, q2, keys.repeat_interleave(2, dim=1), count.repeat_interleave(2, dim=1), 2,
                                     0.125, inflight=inflight)
+
+
+def test_read_attend_refuses_a_tile_that_is_not_a_power_of_two(monkeypatch):
+    tensors, (q, keys, count, *_rest), inflight = _case(torch.float32, 3)
+    monkeypatch.setitem(K.PACKED_READ, "attend_block_p", [32, 32, 32, 24])
+    with pytest.raises(ValueError, match="power of two, got 24 keys"):
+        K.launch_packed_read_attend(tensors, q, keys, count, 3, 0.125, inflight=inflight)
+    K.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight)  # depth 2: 32

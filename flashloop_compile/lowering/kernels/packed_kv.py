@@ -1597,9 +1597,14 @@ PACKED_PREFILL = _with_overrides(
 # load a cp.async, no branch) was tried in session 12 and lost 17-50% per correction site (sweep:
 # B1/B4 x depth 1/3, 76 -> 92 ... 246 -> 289 us; 96 / 151 registers, 42 / 85 KB of shared memory
 # at depth 1 / 3): removed. RESULTS.md, session 12.
+# "attend_block_p": keys per program of the read-and-attend correction (_read_attend_kernel), by
+# depth (the last entry for deeper ones; "block_p", when set, overrides): session 17's sweep (H200,
+# 32K, per site) had 32 best at depth 2 (B1 / B4 58.8 / 149.0 us against 71.5 / 177.1 at 16) and 16
+# at depth 3 (74.7 / 213.8 against 80.5 / 222.0); 8 warps and 64-key tiles lost at both.
 # FLASHLOOP_PACKED_READ (JSON) overrides.
 PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
-                               "fused": True, "fused_maxnreg": None}, "FLASHLOOP_PACKED_READ")
+                               "fused": True, "fused_maxnreg": None, "attend_block_p": [32, 32, 32, 16]},
+                              "FLASHLOOP_PACKED_READ")
 
 # packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
 # reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
@@ -1767,7 +1772,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
     head) over the selected keys [B, H, 1, P] (global positions, the first count [B, H, 1] valid)
     of the packed history, the step's in-flight tokens ``inflight`` = (positions [B, Ti], k, v)
     included: _read_attend_kernel, one program per tile of ``block_p`` keys (default
-    PACKED_READ["block_p"]'s rule). Returns (part_m, part_l [B * H, NT], part_acc [B * H, NT, D],
+    PACKED_READ["attend_block_p"] at this depth). Returns (part_m, part_l [B * H, NT], part_acc [B * H, NT, D],
     NT) in _correction_combine_kernel's layout."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
@@ -1778,7 +1783,11 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
                          f"power-of-two head_dim with an even group; got q {tuple(q.shape)}, head_dim {D}, group {G}")
     Bc, P = q.shape[0], keys.shape[-1]
     np_ = next_pow2(D // 2)
-    bp = block_p or int(PACKED_READ.get("block_p") or (32 if np_ <= 64 else 16))
+    by_depth = [int(n) for n in PACKED_READ["attend_block_p"]] or [32]
+    bp = block_p or int(PACKED_READ.get("block_p") or by_depth[min(depth, len(by_depth) - 1)])
+    if bp < 1 or bp & (bp - 1):
+        raise ValueError(f"the read-and-attend tile must be a power of two, got {bp} keys "
+                         f"(PACKED_READ attend_block_p {PACKED_READ['attend_block_p']}, block_p {PACKED_READ['block_p']})")
     if _interpreting() and not block_p:
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
     split = max(1, min(bp, int(PACKED_READ["generic_split"])))
