@@ -110,3 +110,18 @@ def test_read_attend_refuses_a_tile_that_is_not_a_power_of_two(monkeypatch):
     with pytest.raises(ValueError, match="power of two, got 24 keys"):
         K.launch_packed_read_attend(tensors, q, keys, count, 3, 0.125, inflight=inflight)
     K.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight)  # depth 2: 32
+
+
+def test_an_in_flight_token_inside_the_flushed_bulk_is_read_from_flight():
+    # a position both stored below the flushed boundaries and in flight (a token rewritten this
+    # step) reads its in-flight K/V: the bulk rule must stop at the row's first in-flight position,
+    # which the kernel takes from the in-flight positions itself
+    tensors, args, (ip, kd, vd) = _case(torch.float32, 2, seed=5)
+    keys = args[1]
+    low = int(keys[0, 1, 0, 2])
+    assert low < int(tensors[14][0].min())  # below every depth's flushed boundary of row 0
+    ip = ip.clone()
+    ip[0, 0] = low
+    want = P.packed_correction_attention_aten(*args, ip, kd, vd, 2, *tensors, 0.125)
+    got = P.correction_read_attend(*args, (ip, kd, vd), 2, tensors, 0.125, block_p=TILE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -742,7 +742,7 @@ def _read_attend_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
-    q, keys, count, lim, in_positions, k_in, v_in, part_m, part_l, part_acc,
+    q, keys, count, in_positions, k_in, v_in, part_m, part_l, part_acc,
     sq_b, sq_h, sq_d, skey_b, skey_h, skey_t, sc_b, sc_h,
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     scale, P, Ti, NT, B, H, S, NB, CAPT, R,
@@ -753,7 +753,8 @@ def _read_attend_kernel(
     in one pass: program z takes the selected keys [z * BP, (z + 1) * BP) of the row (keys
     [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
     packed_read does (a tile _bulk_read_tile's rule admits: _bulk_k / _bulk_v, no per-token state;
-    any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included) and writes the
+    any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included; the bulk bound
+    takes the row's first in-flight position from in_positions, no launch of its own) and writes the
     tile's softmax partial (max, sum, weighted V) for _correction_combine_kernel. The values
     attended are packed_read's, rounded to the compute dtype: the correction over the BF16 copy
     without the copy (its write and its re-read)."""
@@ -779,9 +780,15 @@ def _read_attend_kernel(
     valid = t < cnt
     p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
     fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
+    lim = tl.zeros([], tl.int64) + S  # the row's first in-flight position (common.first_inflight)
+    u = 0
+    while u < Ti:
+        ipu = tl.load(in_positions + b * sip_b + u * sip_t)
+        lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
+        u += 1
     p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
     p_hi = tl.max(tl.where(valid, p, -1), 0)
-    if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < tl.load(lim + b)):  # the flushed bulk (_bulk_read_tile)
+    if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim):  # the flushed bulk (_bulk_read_tile)
         pc = tl.where(valid, p, 0).to(tl.int32)
         kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
         kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
@@ -1798,13 +1805,12 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
     part_m = torch.empty(Bc * H, nt, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=dev)
-    ip, k_in, v_in = inflight
-    lim = first_inflight(ip, S)  # below it a tile needs no overlay
+    ip, k_in, v_in = inflight  # the kernel takes the first in-flight position of its row itself
     wrap(_read_attend_kernel)[(Bc, H, nt)](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
-        q, keys, count, lim, ip, k_in, v_in, part_m, part_l, part_acc,
+        q, keys, count, ip, k_in, v_in, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(3), keys.stride(0), keys.stride(1), keys.stride(3),
         count.stride(0), count.stride(1),
         *ip.stride(), *k_in.stride(), *v_in.stride(),
