@@ -637,10 +637,12 @@ def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: 
     from flashloop_compile.lowering.kernels import sparse_decode as sd
 
     K = _kernels()
-    part_m, part_l, part_acc, _nt = K.launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
+    part_m, part_l, part_acc, nt = K.launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
                                                                 wrap=wrap_triton, block_p=block_p)
     out = torch.empty_like(q)
-    sd.correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True)
+    # 8 warps past 32 partials per row (103 at 32K): the [partials, D] tile stays in registers
+    sd.correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True,
+                                 num_warps=4 if nt <= 32 else 8)
     return out
 
 

@@ -1381,13 +1381,7 @@ def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_
         num_warps=cfg.num_warps_corr,
     )
     if not final:
-        launch(_correction_combine_kernel, (rows,))(
-            pm, pl, pacc, mass_c, oref_c, cref_c, out,
-            hq, 1, split,
-            *out.stride(),
-            D=d, SPLIT_P2=next_pow2(split),
-            num_warps=4,
-        )
+        correction_combine_triton(pm, pl, pacc, mass_c, oref_c, cref_c, out, wrap=launch.wrap)
     return out
 
 
@@ -1430,20 +1424,15 @@ def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scal
         score_m, score_l, v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
         chunk_c, split_c, depth)
     out = torch.empty_like(q)
-    launch(_correction_combine_kernel, (rows,))(
-        pm, pl, pacc, mass.reshape(rows).contiguous(), o_ref.reshape(rows, d).contiguous(),
-        c_ref.reshape(rows, d).contiguous(), out,
-        hq, 1, split_c,
-        *out.stride(),
-        D=d, SPLIT_P2=next_pow2(split_c),
-        num_warps=4,
-    )
+    correction_combine_triton(pm, pl, pacc, mass, o_ref, c_ref, out, wrap=launch.wrap)
     return out
 
 
-def correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, *, wrap: bool = False) -> None:
+def correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, *, wrap: bool = False,
+                              num_warps: int = 4) -> None:
     """O_ref - C_ref + m * local into out [B, Hq, T, D] from a correction's softmax partials
-    (part_m / part_l [rows, SPLIT], part_acc [rows, SPLIT, D] per row b * Hq * T + h * T + t)."""
+    (part_m / part_l [rows, SPLIT], part_acc [rows, SPLIT, D] per row b * Hq * T + h * T + t):
+    _correction_combine_kernel, one program per row."""
     b, hq, t, d = out.shape
     rows, split = part_m.shape
     _Launcher(wrap)(_correction_combine_kernel, (rows,))(
@@ -1452,7 +1441,7 @@ def correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out,
         hq, t, split,
         *out.stride(),
         D=d, SPLIT_P2=next_pow2(split),
-        num_warps=4 if split <= 32 else 8,
+        num_warps=num_warps,
     )
 
 
@@ -1493,11 +1482,5 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
         num_warps=cfg.num_warps_corr,
     )
     if not final:
-        launch(_correction_combine_kernel, (rows,))(
-            pm, pl, pacc, mass_c, oref_c, cref_c, out,
-            hq, t, split,
-            *out.stride(),
-            D=d, SPLIT_P2=next_pow2(split),
-            num_warps=4,
-        )
+        correction_combine_triton(pm, pl, pacc, mass_c, oref_c, cref_c, out, wrap=launch.wrap)
     return out
