@@ -49,7 +49,7 @@ CONFIGS = {
 BUCKETS = (
     ("sdpa", ("flash_fwd", "fmha", "sdpa", "scaled_dot_product", "efficient_attention")),
     ("inductor", ("triton_", "cpp_fused", "compiledfxgraph")),
-    ("correction", ("_correction", "correction_attention")),
+    ("correction", ("_correction", "correction_attention", "_read_attend_kernel", "correction_read_attend")),
     ("ref_pv", ("_pv_kernel", "_pv_linear_kernel", "_pv_combine")),
     ("ref_select", ("_select_first", "_select_level", "_select_compact")),
     ("ref_scores", ("_scores_kernel", "_scores_linear_kernel", "_mma_scores_kernel", "_prep_kernel",

@@ -158,6 +158,9 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # selection (sparse_decode.linear_decode_triton, through packed_ops.packed_attention: a window
     # read, the scores, the PV with the probabilities formed per split, the split combine)
     ("fast gluon", {"gluon": True}),
+    # FAST_DECODE "tail_programs" (session 18, default 4): the tail's per-token tiles over several
+    # programs per row; 1: one program takes them in turn (before session 18)
+    *[(f"fast linear tail{n}", {"tuning": {"tail_programs": n}}) for n in (1, 2, 4, 8)],
     # packed_read (sparse decode under quantization), generic vs PACKED_READ "bulk": the whole
     # history (loop 2's reference) and 10% scattered keys per head (a correction's selection, sorted
     # as the top-k positions are not: order does not matter to either kernel); not attention
@@ -175,6 +178,9 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("reference read then attend", {"reference": "read"}),
     ("reference fused", {"reference": "fused"}),
     ("reference linear", {"reference": "linear"}),
+    # its window read (the ring and the step's tokens) as before session 18: the read's 32-position
+    # tiles, four sub-tiles of dependent loads in turn per program (PACKED_READ window_block_p 0)
+    ("reference linear window split", {"reference": "linear", "read_config": {"window_block_p": 0}}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
       for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
                         ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
@@ -196,6 +202,7 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     ("correction read attend", {"correction": "read_attend"}),
     *[(f"correction read attend {tag}", {"correction": "read_attend", "read_config": cfg})
       for tag, cfg in (("bp16", {"block_p": 16}), ("bp32", {"block_p": 32}), ("w8", {"num_warps": 8}),
+                       ("forward", {"attend_reverse": False}),
                        ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     # and the per-key-lane online softmax (KernelConfig.lane_corr)

@@ -498,7 +498,13 @@ def _read_window(cache: tuple, depth: int, inflight: tuple, batch: int) -> tuple
     kw = torch.empty(batch, k_base.shape[1], window.shape[1], 2 * k_base.shape[3], dtype=k_tail.dtype,
                      device=k_base.device)
     vw = torch.empty_like(kw)
-    _kernels().launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton)
+    kv = _kernels()
+    # every tile of the window is per-token (the ring, the step's tokens): a chain of dependent
+    # loads per sub-tile. PACKED_READ["window_block_p"] positions per program, one sub-tile each,
+    # instead of the read's generic_split sub-tiles in turn (the launch as long as that many chains)
+    wb = int(kv.PACKED_READ["window_block_p"] or 0)
+    tiles = dict(block_p=wb, split=1) if wb and not kv._interpreting() else {}
+    kv.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton, **tiles)
     return lo, kw, vw
 
 

@@ -747,10 +747,11 @@ def _read_attend_kernel(
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     scale, P, Ti, NT, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
-    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, REVERSE: tl.constexpr = True,
 ):
     """Sparse decode's correction for one query row per kv head (row b * H + h), read and attended
-    in one pass: program z takes the selected keys [z * BP, (z + 1) * BP) of the row (keys
+    in one pass: program z (REVERSE: counted from the last tile, so that the row's per-token tile,
+    which holds its highest positions, starts in the first wave instead of the last) takes the selected keys [z * BP, (z + 1) * BP) of the row (keys
     [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
     packed_read does (a tile _bulk_read_tile's rule admits: _bulk_k / _bulk_v, no per-token state;
     any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included; the bulk bound
@@ -763,6 +764,8 @@ def _read_attend_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     z = tl.program_id(2)
+    if REVERSE:
+        z = NT - 1 - z
     out = (b * H + h) * NT + z
     i = tl.arange(0, NP)
     cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
@@ -940,7 +943,7 @@ def _decode_bulk_kernel(
     sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
     CD: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr, LINEAR: tl.constexpr = False,
-    HALF: tl.constexpr = False,
+    HALF: tl.constexpr = False, NTAIL: tl.constexpr = 1,
 ):
     """The packed bulk of one-query-row decode (the FAST_DECODE path): splits z < NSTORED of the
     key tiles of BN keys below every depth's flushed boundary and the stored end. There the
@@ -959,9 +962,10 @@ def _decode_bulk_kernel(
     to the compute dtype: per element and stream a nibble conversion and one FMA, the parameters
     applied per tile (K) or per token and group (V), V kept as per-row partials summed once per
     split. The attention of the exact reconstruction up to FP32 rounding (the compute-dtype
-    rounding of K/V is not applied). HALF: the scores on K rebuilt in fp16 (_linear_scores)."""
+    rounding of K/V is not applied). HALF: the scores on K rebuilt in fp16 (_linear_scores).
+    NTAIL: _attn_kernel's programs after these (the row's partials are NSTORED + NTAIL)."""
     HD: tl.constexpr = D // 2
-    NSPL: tl.constexpr = NSTORED + 1
+    NSPL: tl.constexpr = NSTORED + NTAIL
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
@@ -1257,7 +1261,7 @@ def _decode_mma_kernel(
     rows, res_layout, part_ml, part_acc,
     sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
-    STAGES: tl.constexpr, DEPTH: tl.constexpr, EXACT: tl.constexpr = False,
+    STAGES: tl.constexpr, DEPTH: tl.constexpr, EXACT: tl.constexpr = False, NTAIL: tl.constexpr = 1,
 ):
     """FAST_DECODE["mma"]: _decode_bulk_kernel's splits and partials, with the products on tensor
     cores in the code domain. Codes become fp16 subnormals code * 2^-24 with an AND and a shift per
@@ -1271,7 +1275,7 @@ def _decode_mma_kernel(
     rounding of q * scale and p * scale (11 bits; the reference rounds K/V to bf16, 8 bits)."""
     NG: tl.constexpr = D // G
     W: tl.constexpr = D // 8
-    NSPL: tl.constexpr = NSTORED + 1
+    NSPL: tl.constexpr = NSTORED + NTAIL
     scale = tl.cast(scale, tl.float32)
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
@@ -1366,15 +1370,17 @@ def _attn_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RP: tl.constexpr = 4, BNF: tl.constexpr = 64,
-    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False,
+    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False, NTAIL: tl.constexpr = 1,
 ):
+    """NTAIL (FAST): programs per row for what the bulk kernel leaves (splits NSTORED ..
+    NSTORED + NTAIL - 1, each taking every NTAIL-th tile of it; the first also the in-flight keys)."""
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
-    z = tl.program_id(1) + (NSTORED if FAST else 0)  # FAST: one program per row, split NSTORED
+    z = tl.program_id(1) + (NSTORED if FAST else 0)  # FAST: NTAIL programs per row, splits NSTORED on
     m = tl.program_id(2) * BM + tl.arange(0, BM)
     mmask = m < T * QPK
     t = (m // QPK).to(tl.int64)
@@ -1400,9 +1406,11 @@ def _attn_kernel(
         # boundary) ran in _decode_bulk_kernel; this program is split NSTORED: the rest of the
         # stored prefix (per-token resolution, the ring) and the in-flight keys. Stored keys (< P0)
         # precede every query.
+        # NTAIL programs take its tiles in turn (per-token tiles are chains of dependent loads: in
+        # one program the ring's 2-5 tiles ran one after the other, after the bulk kernel)
         nfast = tl.minimum(_flushed_min(flushed + b * R, depth, RP), P0) // BNF
         nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
-        tile = (nfast * BNF) // BN
+        tile = (nfast * BNF) // BN + tl.program_id(1)
         t_hi = (P0 + BN - 1) // BN
     else:
         ntiles = (P0 + BN - 1) // BN
@@ -1424,7 +1432,7 @@ def _attn_kernel(
             qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
             kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
         )
-        tile += 1
+        tile += NTAIL if FAST else 1
     run_inflight = z == NSTORED
     if FUSED:
         run_inflight = z >= 0
@@ -1477,7 +1485,7 @@ def _attn_kernel(
         tl.store(out + o, _round_to(acc_e * inv[:, None], CD).to(ty), mask=om)
         tl.store(out + o + 1, _round_to(acc_o * inv[:, None], CD).to(ty), mask=om)
     else:
-        NSPL: tl.constexpr = NSTORED + 1
+        NSPL: tl.constexpr = NSTORED + (NTAIL if FAST else 1)
         prow = orow * NSPL + z
         tl.store(part_ml + prow * 2, m_i, mask=mmask)
         tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
@@ -1563,10 +1571,14 @@ from flashloop_compile.lowering.tables import LAUNCH_TABLES, with_overrides as _
 # 128, group 64, CUDA sm_80+) to sparse_decode.linear_decode_triton instead: the loop-2 reference's
 # tensor-core kernels without the selection (gluon_scores, gluon_pv), over a window read like the
 # reference's (packed_ops.packed_attention).
+# Session 18: "tail_programs": _attn_kernel's programs per row for what the bulk kernel leaves (the
+# unflushed tail and the ring: 2-5 per-token tiles of dependent loads, which one program ran in
+# turn, ~21 us a loop-1 site at 1x32K in session 17's profile, after the bulk kernel); each takes
+# every tail_programs-th tile, the first also the in-flight keys.
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "maxnreg": None, "linear": True,
-    "mma": False, "half": True, "gluon": False,
+    "mma": False, "half": True, "gluon": False, "tail_programs": 4,
 }, "FLASHLOOP_FAST_DECODE")
 
 # Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
@@ -1608,9 +1620,19 @@ PACKED_PREFILL = _with_overrides(
 # depth (the last entry for deeper ones; "block_p", when set, overrides): session 17's sweep (H200,
 # 32K, per site) had 32 best at depth 2 (B1 / B4 58.8 / 149.0 us against 71.5 / 177.1 at 16) and 16
 # at depth 3 (74.7 / 213.8 against 80.5 / 222.0); 8 warps and 64-key tiles lost at both.
+# "attend_reverse": the read-and-attend grid runs the tiles last to first. A row's selected keys are
+# ascending, so its one per-token tile (the ring, the step's token: _resolve_tile's SPLIT sub-tiles
+# of dependent loads, ~25-30 us, session 9) is its last non-empty tile, which the forward order
+# schedules in the last wave, after every bulk tile: the kernel's critical path. Reversed it starts
+# in the first wave and overlaps the bulk tiles. Same partials, same values (only the order the
+# programs start in changes).
+# "window_block_p": positions per program of the code-domain reference's window read
+# (packed_ops._read_window: the ring and the step's tokens, all per-token tiles), one sub-tile
+# each; 0: the read's default tile and generic_split.
 # FLASHLOOP_PACKED_READ (JSON) overrides.
 PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
-                               "fused": True, "fused_maxnreg": None, "attend_block_p": [32, 32, 32, 16]},
+                               "fused": True, "fused_maxnreg": None, "attend_block_p": [32, 32, 32, 16],
+                               "attend_reverse": True, "window_block_p": 8},
                               "FLASHLOOP_PACKED_READ")
 
 # packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
@@ -1694,14 +1716,16 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
 
 
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
-                       bulk: bool | None = None, block_p: int | None = None, skip_bulk: bool = False) -> None:
+                       bulk: bool | None = None, block_p: int | None = None, skip_bulk: bool = False,
+                       split: int | None = None) -> None:
     """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
     out_k/out_v [B, H, P, D] (contiguous). ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v)
     of this step's tokens: a position equal to one of them reads its row (see packed_ops).
     ``bulk`` (default PACKED_READ["bulk"]): tiles of positions below the flushed boundaries go to
     _read_bulk_kernel, the rest to _read_kernel. ``block_p``: positions per program (tests).
     ``skip_bulk``: the bulk tiles are left unwritten (their reader decodes them itself: the packed
-    reference, sparse_decode.reference_attention_triton's ``packed``)."""
+    reference, sparse_decode.reference_attention_triton's ``packed``). ``split``: sub-tiles per
+    program of a tile the bulk test refuses (default PACKED_READ["generic_split"])."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -1735,7 +1759,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     # the generic kernel resolves every token with all residual depths in flight at once (latency-
     # bound: see _reconstruct): tiles of bp / generic_split positions keep it within the registers
     # (sm_90, D 128, depth 3: 228 registers at 16, 254 spill ops at 32; scripts/kernel_report.py)
-    split = max(1, int(PACKED_READ["generic_split"]))
+    split = max(1, int(split or PACKED_READ["generic_split"]))
     if _interpreting():
         split = min(split, 2)  # the interpreter's cost is per program and operation: fewer, larger tiles
     bpg = max(1, bp // split)
@@ -1816,7 +1840,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
-        num_warps=PACKED_READ["num_warps"],
+        REVERSE=bool(PACKED_READ["attend_reverse"]), num_warps=PACKED_READ["num_warps"],
     )
     return part_m, part_l, part_acc, nt
 
@@ -1873,13 +1897,15 @@ def launch_packed_attention(
             ns = decode_splits(Bc, H, m_tiles, S, bnf, q.device, waves=tune["waves"])
         else:
             ns = decode_splits(Bc, H, m_tiles, S, bn, q.device)
-        nspl = ns + 1
+        ntail = max(1, int(tune["tail_programs"])) if fast else 1
+        nspl = ns + ntail
         part_ml = torch.empty(Bc * Hq * T * nspl * 2, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(Bc * Hq * T * nspl * D, dtype=torch.float32, device=q.device)
         grid = (Bc * H, nspl, m_tiles)
         fused = False
         warps = 8  # _attn_kernel's generic tile code spills at 4 (scripts/kernel_report.py)
     elif mode == "prefill":
+        ntail = 1
         ptune = {**PACKED_PREFILL, **(tuning or {})}
         bm = ptune["block_m"]
         bn = min(G, 64 if interp else 32)
@@ -1912,9 +1938,9 @@ def launch_packed_attention(
             rows, res_layout, part_ml, part_acc,
             q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, **variant, **opts,
+            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, NTAIL=ntail, **variant, **opts,
         )
-        grid = (Bc * H, 1, m_tiles)  # _attn_kernel takes split NSTORED only: the tail and in-flight keys
+        grid = (Bc * H, ntail, m_tiles)  # _attn_kernel takes splits NSTORED on only: the tail and in-flight keys
     wrap(_attn_kernel)[grid](
         q, k_inflight, v_inflight, q_positions, inflight_positions, p0,
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -1924,7 +1950,7 @@ def launch_packed_attention(
         *q.stride(), *k_inflight.stride(), *v_inflight.stride(),
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused,
+        D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused, NTAIL=ntail,
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=next_pow2(R), BNF=bnf, BNI=bni, WHOLE=whole,
         num_warps=warps,
     )
