@@ -768,13 +768,20 @@ def _read_attend_kernel(
         z = NT - 1 - z
     out = (b * H + h) * NT + z
     i = tl.arange(0, NP)
-    # every load that needs no other is issued before the first branch: the tile's keys (up to P,
-    # masked by the count after), the count, the flushed boundaries, the in-flight positions and
-    # q: one memory latency instead of a chain count -> keys -> ... (the loads below depend on p)
+    cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
+    if z * BP >= cnt:  # past the row's selection: an empty partial
+        tl.store(part_m + out, float("-inf"))
+        tl.store(part_l + out, 0.0)
+        tl.store(part_acc + out * D + 2 * i, tl.zeros([NP], tl.float32), mask=i < HD)
+        tl.store(part_acc + out * D + 2 * i + 1, tl.zeros([NP], tl.float32), mask=i < HD)
+        return
+    qn = q + b * sq_b + h * sq_h + 2 * i * sq_d
+    qe = tl.load(qn, mask=i < HD, other=0.0).to(tl.float32)[None, :]
+    qo = tl.load(qn + sq_d, mask=i < HD, other=0.0).to(tl.float32)[None, :]
     kr = keys + b * skey_b + h * skey_h
     t = z * BP + tl.arange(0, BP)
-    p_all = tl.load(kr + t * skey_t, mask=t < P, other=-1).to(tl.int64)
-    cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
+    valid = t < cnt
+    p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
     fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
     lim = tl.zeros([], tl.int64) + S  # the row's first in-flight position (common.first_inflight)
     u = 0
@@ -782,17 +789,6 @@ def _read_attend_kernel(
         ipu = tl.load(in_positions + b * sip_b + u * sip_t)
         lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
         u += 1
-    qn = q + b * sq_b + h * sq_h + 2 * i * sq_d
-    qe = tl.load(qn, mask=i < HD, other=0.0).to(tl.float32)[None, :]
-    qo = tl.load(qn + sq_d, mask=i < HD, other=0.0).to(tl.float32)[None, :]
-    if z * BP >= cnt:  # past the row's selection: an empty partial
-        tl.store(part_m + out, float("-inf"))
-        tl.store(part_l + out, 0.0)
-        tl.store(part_acc + out * D + 2 * i, tl.zeros([NP], tl.float32), mask=i < HD)
-        tl.store(part_acc + out * D + 2 * i + 1, tl.zeros([NP], tl.float32), mask=i < HD)
-        return
-    valid = t < cnt
-    p = tl.where(valid, p_all, -1)
     p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
     p_hi = tl.max(tl.where(valid, p, -1), 0)
     if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim):  # the flushed bulk (_bulk_read_tile)
