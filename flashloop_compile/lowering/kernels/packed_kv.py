@@ -1574,7 +1574,8 @@ from flashloop_compile.lowering.tables import LAUNCH_TABLES, with_overrides as _
 # Session 18: "tail_programs": _attn_kernel's programs per row for what the bulk kernel leaves (the
 # unflushed tail and the ring: 2-5 per-token tiles of dependent loads, which one program ran in
 # turn, ~21 us a loop-1 site at 1x32K in session 17's profile, after the bulk kernel); each takes
-# every tail_programs-th tile, the first also the in-flight keys.
+# every tail_programs-th tile, the first also the in-flight keys. Sweep at 32K, depth 0, B1 / B4:
+# _attn_kernel 21.6 / 21.8 us with 1, 12.9 / 13.7 with 2, 13.0 / 13.4 with 4, 13.0 / 15.0 with 8.
 # FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
 FAST_DECODE = _with_overrides({
     "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "maxnreg": None, "linear": True,
@@ -1625,10 +1626,13 @@ PACKED_PREFILL = _with_overrides(
 # of dependent loads, ~25-30 us, session 9) is its last non-empty tile, which the forward order
 # schedules in the last wave, after every bulk tile: the kernel's critical path. Reversed it starts
 # in the first wave and overlaps the bulk tiles. Same partials, same values (only the order the
-# programs start in changes).
+# programs start in changes). Session 18 (H200, 32K, per site, same call): B1 depth 2 / 3 44.2 /
+# 58.8 us against 51.7 / 67.1 forward; B4 132.1 / 192.1 against 138.7 / 180.9; the 4x32K step
+# 26.86 ms against 27.34 forward (RESULTS.md).
 # "window_block_p": positions per program of the code-domain reference's window read
 # (packed_ops._read_window: the ring and the step's tokens, all per-token tiles), one sub-tile
-# each; 0: the read's default tile and generic_split.
+# each; 0: the read's default tile and generic_split. Session 18: 8.7 / 21.3 us against 15.6 /
+# 25.5 at B1 / B4 x 32K (the reference site 160.2 / 370.2 against 168.8 / 389.3).
 # FLASHLOOP_PACKED_READ (JSON) overrides.
 PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
                                "fused": True, "fused_maxnreg": None, "attend_block_p": [32, 32, 32, 16],
