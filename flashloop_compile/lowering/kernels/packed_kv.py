@@ -1902,6 +1902,8 @@ def launch_packed_attention(
         else:
             ns = decode_splits(Bc, H, m_tiles, S, bn, q.device)
         ntail = max(1, int(tune["tail_programs"])) if fast else 1
+        if interp and "tail_programs" not in (tuning or {}):
+            ntail = 1  # the interpreter's cost is per program: one tail program unless a test asks
         nspl = ns + ntail
         part_ml = torch.empty(Bc * Hq * T * nspl * 2, dtype=torch.float32, device=q.device)
         part_acc = torch.empty(Bc * Hq * T * nspl * D, dtype=torch.float32, device=q.device)
