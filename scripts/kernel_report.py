@@ -33,7 +33,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret
+if __name__ == "__main__":
+    # compile, do not interpret (before triton's first import). Imported as a module (a test
+    # reading one helper) it must not touch the environment: a process-wide TRITON_INTERPRET=0
+    # sent every later interpreter test of that pytest worker to the compiled path
+    os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
