@@ -92,17 +92,17 @@ def test_mma_decode_rejects_a_head_of_more_than_two_groups():
                                   tuning={"mma": True})
 
 
-@pytest.mark.parametrize("tail_programs", [1, 2])
-def test_the_tail_over_several_programs_matches_aten(tail_programs):
+def test_the_tail_over_several_programs_matches_aten():
     # FAST_DECODE["tail_programs"]: what the bulk kernel leaves (the unflushed tail, the ring) in
     # _attn_kernel's programs NSTORED.. of a row, each taking every n-th tile of min(group, 32)
-    # keys (the rows here leave 1 and 2 such tiles: with 1 program row 1's takes both, with 2
-    # the second program of row 0 takes none; the default, 4, runs in every other decode test
-    # here); the first also the in-flight key. A program that ignored its stride (tested: `tile += 1` fails), or partials
-    # laid out for one tail program, fail it.
+    # keys (the rows here leave 1 and 2 such tiles: with 2 programs, the second of row 0 takes
+    # none); the first also the in-flight key. The interpreter runs one program unless asked
+    # (every other decode test here: one program takes several tiles); the default, 4, runs in
+    # tests/gpu. A program that ignored its stride (tested: `tile += 1` fails), or partials laid
+    # out for one tail program, fail it.
     cache = _cache(torch.float32, 32)
     tensors = cache.op_tensors(0)
     flushed = tensors[P.CACHE_NAMES.index("flushed")]
     tail_tiles = [-(-n // 32) - int(flushed[b].min()) // 16 * 16 // 32 for b, n in enumerate(LENGTHS)]
     assert tail_tiles == [1, 2], tail_tiles
-    _check_decode(cache, torch.float32, {"linear": True, "block_n": 16, "half": False, "tail_programs": tail_programs}, 1e-5)
+    _check_decode(cache, torch.float32, {"linear": True, "block_n": 16, "half": False, "tail_programs": 2}, 1e-5)

@@ -751,7 +751,8 @@ def _read_attend_kernel(
 ):
     """Sparse decode's correction for one query row per kv head (row b * H + h), read and attended
     in one pass: program z (REVERSE: counted from the last tile, so that the row's per-token tile,
-    which holds its highest positions, starts in the first wave instead of the last) takes the selected keys [z * BP, (z + 1) * BP) of the row (keys
+    which holds its highest positions, starts in the first wave instead of the last) takes the
+    selected keys [z * BP, (z + 1) * BP) of the row (keys
     [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
     packed_read does (a tile _bulk_read_tile's rule admits: _bulk_k / _bulk_v, no per-token state;
     any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included; the bulk bound
@@ -1372,8 +1373,9 @@ def _attn_kernel(
     FAST: tl.constexpr = False, RP: tl.constexpr = 4, BNF: tl.constexpr = 64,
     BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False, NTAIL: tl.constexpr = 1,
 ):
-    """NTAIL (FAST): programs per row for what the bulk kernel leaves (splits NSTORED ..
-    NSTORED + NTAIL - 1, each taking every NTAIL-th tile of it; the first also the in-flight keys)."""
+    """NTAIL (FAST; 1 otherwise): programs per row for what the bulk kernel leaves (splits
+    NSTORED .. NSTORED + NTAIL - 1, each taking every NTAIL-th tile of it; the first also the
+    in-flight keys)."""
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -1432,7 +1434,7 @@ def _attn_kernel(
             qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
             kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
         )
-        tile += NTAIL if FAST else 1
+        tile += NTAIL
     run_inflight = z == NSTORED
     if FUSED:
         run_inflight = z >= 0
@@ -1485,7 +1487,7 @@ def _attn_kernel(
         tl.store(out + o, _round_to(acc_e * inv[:, None], CD).to(ty), mask=om)
         tl.store(out + o + 1, _round_to(acc_o * inv[:, None], CD).to(ty), mask=om)
     else:
-        NSPL: tl.constexpr = NSTORED + (NTAIL if FAST else 1)
+        NSPL: tl.constexpr = NSTORED + NTAIL
         prow = orow * NSPL + z
         tl.store(part_ml + prow * 2, m_i, mask=mmask)
         tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
