@@ -878,6 +878,38 @@ def _dot(p, v, DOT_T: tl.constexpr):
         return tl.dot(p, v, input_precision="ieee")
 
 
+_LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _inflight_step(q, k_ptrs, v_ptrs, kmask, tk, kpos, qpos, qvalid, m_i, l_i, acc, qk_scale,
+                   DOT_T: tl.constexpr, MASKED: tl.constexpr):
+    """One online-softmax step of prefill over in-flight keys as whole rows (k/v_ptrs [BNI, D]),
+    in base-2 units (qk_scale = scale * log2 e; m_i in the same units). MASKED: key tk (position
+    kpos, -1 = padding) is visible to a row at or after it; otherwise every key of the tile is
+    visible to every valid row (the launcher's bounds guarantee it; invalid rows are dropped at
+    the store)."""
+    kt = tl.load(k_ptrs, mask=kmask, other=0.0)
+    vt = tl.load(v_ptrs, mask=kmask, other=0.0)
+    if DOT_T == 0:
+        kt = kt.to(tl.float32)
+        vt = vt.to(tl.float32)
+    s = _dot_t(q, kt, DOT_T) * qk_scale
+    if MASKED:
+        vis = (kpos >= 0)[None, :] & (kpos[None, :] <= qpos[:, None]) & qvalid[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row without a visible key yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p, vt, DOT_T)
+    return m_new, l_i, acc
+
+
 @triton.jit
 def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale,
             USE_DOT: tl.constexpr, DOT_T: tl.constexpr, PAIR: tl.constexpr = True):
@@ -1363,7 +1395,7 @@ def _attn_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
-    out, part_ml, part_acc,
+    out, part_ml, part_acc, bounds,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sqp_b, sqp_t, sip_b, sip_t,
     T, Ti, Hq, depth_arg, scale, B, H, S, NB, CAPT, R,
@@ -1375,7 +1407,10 @@ def _attn_kernel(
 ):
     """NTAIL (FAST; 1 otherwise): programs per row for what the bulk kernel leaves (splits
     NSTORED .. NSTORED + NTAIL - 1, each taking every NTAIL-th tile of it; the first also the
-    in-flight keys)."""
+    in-flight keys). WHOLE (prefill): bounds [B, query tiles, 2] int32 from inflight_bounds: the
+    in-flight keys [0, bounds[0]) are visible to every valid row of the tile (no mask), the rest
+    up to bounds[1] are masked by position, none after it is visible; query tiles run heaviest
+    first (the last tile has the latest positions when they ascend)."""
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -1383,7 +1418,10 @@ def _attn_kernel(
     b = bh // H
     h = bh % H
     z = tl.program_id(1) + (NSTORED if FAST else 0)  # FAST: NTAIL programs per row, splits NSTORED on
-    m = tl.program_id(2) * BM + tl.arange(0, BM)
+    mt = tl.program_id(2)
+    if WHOLE:
+        mt = tl.num_programs(2) - 1 - mt
+    m = mt * BM + tl.arange(0, BM)
     mmask = m < T * QPK
     t = (m // QPK).to(tl.int64)
     hq = (h * QPK + m % QPK).to(tl.int64)
@@ -1439,27 +1477,41 @@ def _attn_kernel(
     if FUSED:
         run_inflight = z >= 0
     if WHOLE:
-        # prefill: the in-flight keys (every prompt key of a fresh prefill) as whole rows --
-        # contiguous loads, one MMA over D -- after the stored tiles' even/odd halves are joined
+        # prefill: the in-flight keys (every prompt key of a fresh prefill) as whole rows, flash
+        # attention's loop: contiguous loads, one MMA over D, base-2 exponentials, software
+        # pipelined (range bounds, no branch in the body): keys [0, a_end) unmasked, [a_end,
+        # hi_end) masked by position; the stored tiles' even/odd halves are joined first
         c = tl.arange(0, 2 * NP)
         cmask = c < D
-        q_w = tl.reshape(tl.join(qe, qo), [BM, 2 * NP])
         acc_w = tl.reshape(tl.join(acc_e, acc_o), [BM, 2 * NP])
-        t0 = 0
-        while t0 < Ti:
-            tk, kpos, kvalid, kmin = _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI)
-            if kmin <= qmax:
-                km = kvalid[:, None] & cmask[None, :]
-                kt = tl.load(k_in + (b * sk_b + h * sk_h + tk * sk_t)[:, None] + c[None, :] * sk_d, mask=km, other=0.0)
-                vt = tl.load(v_in + (b * sv_b + h * sv_h + tk * sv_t)[:, None] + c[None, :] * sv_d, mask=km, other=0.0)
-                m_i, l_i, acc_w, _unused = _attend(
-                    q_w, q_w, kt.to(tl.float32), kt, vt.to(tl.float32), vt, kpos, kvalid, qpos, qvalid,
-                    m_i, l_i, acc_w, acc_w, scale, USE_DOT, DOT_T, False,
-                )
-            t0 += BNI
-        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
+        m_i = m_i * _LOG2E  # -inf stays -inf
+        qk_scale = scale * _LOG2E
+        q_w = tl.load(q + (b * sq_b + hq * sq_h + t * sq_t)[:, None] + c[None, :] * sq_d,
+                      mask=qvalid[:, None] & cmask[None, :], other=0.0)
+        if DOT_T == 0:
+            q_w = q_w.to(tl.float32)
+        bnd = bounds + (b * tl.num_programs(2) + mt) * 2
+        a_end = tl.load(bnd)
+        hi_end = tl.load(bnd + 1)
+        kb = k_in + b * sk_b + h * sk_h
+        vb = v_in + b * sv_b + h * sv_h
+        ck = c[None, :] * sk_d
+        cv = c[None, :] * sv_d
+        for t0 in range(0, a_end, BNI):
+            tk = (t0 + tl.arange(0, BNI)).to(tl.int64)
+            m_i, l_i, acc_w = _inflight_step(q_w, kb + tk[:, None] * sk_t + ck, vb + tk[:, None] * sv_t + cv, cmask,
+                                             tk, tk, qpos, qvalid, m_i, l_i, acc_w, qk_scale, DOT_T, False)
+        for t0 in range(a_end, hi_end, BNI):
+            tk = (t0 + tl.arange(0, BNI)).to(tl.int64)
+            kpos = tl.load(in_positions + b * sip_b + tk * sip_t, mask=tk < Ti, other=-1)
+            m_i, l_i, acc_w = _inflight_step(q_w, kb + tk[:, None] * sk_t + ck, vb + tk[:, None] * sv_t + cv,
+                                             cmask & (tk < Ti)[:, None], tk, kpos, qpos, qvalid, m_i, l_i, acc_w,
+                                             qk_scale, DOT_T, True)
+        keep = qvalid & (l_i > 0.0)
+        inv = 1.0 / tl.where(keep, l_i, 1.0)
         o = ((b * Hq + hq) * T + t)[:, None] * D + c[None, :]
-        tl.store(out + o, _round_to(acc_w * inv[:, None], CD).to(out.dtype.element_ty), mask=mmask[:, None] & cmask[None, :])
+        res = tl.where(keep[:, None], acc_w * inv[:, None], 0.0)
+        tl.store(out + o, _round_to(res, CD).to(out.dtype.element_ty), mask=mmask[:, None] & cmask[None, :])
         return
     if run_inflight:
         t0 = 0
@@ -1531,6 +1583,30 @@ def _geometry(tensors):
     return B, H, S, D, G, R, NB, CAPT
 
 
+def inflight_bounds(q_positions, inflight_positions, qpk: int, block_m: int, block_n: int):
+    """[B, query tiles, 2] int32 for prefill's whole-row loop over the in-flight keys (index order):
+    per tile of block_m query rows (row m is query token m // qpk), a_end: the in-flight keys
+    before it are valid and at or before every valid row's position (attended without a mask),
+    rounded down to block_n; hi_end: no key from it on is at or before any row's position (the
+    loop stops there). Correct for any order of positions (padding -1 anywhere); with ascending
+    positions (a prompt) the masked band is the causal diagonal. On device, no host sync."""
+    B, T = q_positions.shape
+    big = torch.iinfo(torch.int64).max
+    kk = torch.where(inflight_positions >= 0, inflight_positions, big)
+    sufmin = kk.flip(1).cummin(1).values.flip(1).contiguous()  # non-decreasing: min position from key i on
+    premax = kk.cummax(1).values.contiguous()  # non-decreasing: big after the first padding key
+    tiles = -(-(T * qpk) // block_m)
+    rows = torch.arange(tiles * block_m, device=q_positions.device) // qpk
+    qp = q_positions[:, rows.clamp_max(T - 1)]
+    qvalid = (rows < T)[None, :] & (qp >= 0)
+    qmax = torch.where(qvalid, qp, -1).view(B, tiles, block_m).amax(-1)
+    qmin = torch.where(qvalid, qp, big).view(B, tiles, block_m).amin(-1)
+    qmin = torch.where(qmax >= 0, qmin, -1)  # a tile without a valid row attends nothing
+    hi = torch.searchsorted(sufmin, qmax, right=True)
+    a = torch.minimum(torch.searchsorted(premax, qmin, right=True), hi)
+    return torch.stack([a // block_n * block_n, hi], -1).to(torch.int32).contiguous()
+
+
 def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n: int, device: torch.device | None = None,
                   waves: int = 2) -> int:
     """Splits of the stored key range for the decode kernel: enough programs for about ``waves``
@@ -1595,9 +1671,16 @@ PACKED_WRITE = _with_overrides({"chunks": 16}, "FLASHLOOP_PACKED_WRITE")
 # keys are attended as whole rows (one MMA over D, contiguous loads) instead of the packed
 # layout's even/odd halves. The best of `benchmarks/bench_packed_prefill.py --sweep` on the H200
 # (session 4, a 4K/8K prompt at loop 1: 0.78/2.07 ms; the earlier halves with bm64 bni32 w8
-# 4.18/15.09 ms; causal SDPA 0.18/0.55 ms). FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
+# 4.18/15.09 ms; causal SDPA 0.18/0.55 ms). Session 19: the whole-row loop over the in-flight keys
+# is flash attention's (inflight_bounds: an unmasked range, then the masked causal band; base-2
+# exponentials; `for` loops with range bounds, software pipelined over num_stages): a 32K prompt at
+# loop 1 31.52 -> 11.53 ms (position_attention 11.38, causal SDPA 6.71), 8K 2.29 -> 1.91 ms
+# (0.92, 0.52), same call. bm128 bni64 w8 s3 ties bm64 bni64 w4 s3 (11.48 / 11.49 ms at 32K) and
+# does not spill (scripts/kernel_report.py: 247 registers; bm64 w4: 255 and 95 spill ops); two
+# stages lose at 32K (15.18 ms). FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
 PACKED_PREFILL = _with_overrides(
-    {"block_m": 64, "block_n_inflight": 64, "num_warps": 4, "whole_rows": True}, "FLASHLOOP_PACKED_PREFILL")
+    {"block_m": 128, "block_n_inflight": 64, "num_warps": 8, "num_stages": 3, "whole_rows": True},
+    "FLASHLOOP_PACKED_PREFILL")
 
 
 # packed_read: "bulk" sends tiles of positions below the flushed boundaries (the loop-2
@@ -1891,6 +1974,7 @@ def launch_packed_attention(
                          f"group {G}, block_n {tune['block_n']}")
     bnf = tune["block_n"]
     stages = tune["num_stages"]
+    bounds, stages_opt = p0, {}  # bounds: read by prefill's whole-row path only
     if mode == "decode":
         bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
@@ -1926,6 +2010,12 @@ def launch_packed_attention(
         fused = True
         warps = ptune["num_warps"]
         whole = bool(ptune["whole_rows"])
+        if whole:
+            for key, val in (("block_m", bm), ("block_n_inflight", bni)):
+                if val < 16 or val & (val - 1):
+                    raise ValueError(f"PACKED_PREFILL {key} must be a power of two >= 16 (a tensor-core tile); got {val}")
+            bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni)
+            stages_opt = {} if interp else {"num_stages": int(ptune["num_stages"])}
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     if fast:
@@ -1954,13 +2044,13 @@ def launch_packed_attention(
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
         k_tail, v_tail, flushed, rows, depth_count, res_layout,
-        out, part_ml, part_acc,
+        out, part_ml, part_acc, bounds,
         *q.stride(), *k_inflight.stride(), *v_inflight.stride(),
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused, NTAIL=ntail,
         USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=next_pow2(R), BNF=bnf, BNI=bni, WHOLE=whole,
-        num_warps=warps,
+        num_warps=warps, **stages_opt,
     )
     if not fused:
         wrap(_combine_kernel)[(Bc * Hq * T,)](
