@@ -34,6 +34,9 @@ from common import Deadline, error_text, device, sync, capture_graph, compile_va
 CONFIGS = {
     "dense": {},
     "dense_causal": {},  # a different trace: see the module docstring
+    # the exact position-attention rewrite (compilation.position_attention, off by default until measured)
+    "dense_position": {"compilation.position_attention": True},
+    "token_sparse_position": {"token_sparse_prefill.enabled": True, "compilation.position_attention": True},
     "token_sparse": {"token_sparse_prefill.enabled": True},
     "all_on": {
         "token_sparse_prefill.enabled": True,

@@ -187,16 +187,20 @@ class Compilation:
     outline_layers: compile each distinct layer once and reuse it for every loop and layer
         (see passes/outline.py) instead of compiling the unrolled R*N layers as one graph.
         Much faster compiles; no fusion across layer boundaries.
+    position_attention: prefill attention masked by position (SDPA with a boolean mask over the
+        whole cache) becomes flashloop.position_attention, which skips the keys after a query
+        tile's last position (passes/position_attention.py). Exact; off until measured in a step.
     """
 
     outline_layers: bool = False
+    position_attention: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
 
     @property
     def enabled(self) -> bool:
-        return self.outline_layers
+        return self.outline_layers or self.position_attention
 
 
 _GROUP_KEYS = {

@@ -177,7 +177,7 @@ class PassManager:
         its layer boundaries (nodes of ``gm``: kept here, not in the report)."""
         outline = self.config.compilation.outline_layers
         self.cuts = []
-        if not self.config.any_enabled and not outline:
+        if not self.config.any_enabled and not self.config.compilation.enabled:
             return RewriteReport(None, None, None)
         structure = recognize(gm)
         self.config.resolve(structure.num_loops, forward_loops=structure.num_loops)
