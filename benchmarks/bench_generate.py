@@ -158,7 +158,9 @@ class Bench:
         self.model_gb = allocated_gb()  # weights and the model's own buffers: what every item starts from
         self.inner = args.inner if args.inner != "auto" else ("inductor" if device() == "cuda" else "eager")
         self.configs = {
-            n: FlashLoopConfig.from_dict({**CONFIGS[n], "compilation.outline_layers": args.outline}) for n in args.configs.split(",")
+            n: FlashLoopConfig.from_dict({**CONFIGS[n], "compilation.outline_layers": args.outline,
+                                          "compilation.position_attention": args.position_attention})
+            for n in args.configs.split(",")
         }
         self.done: dict[tuple, dict] = {}  # (shape, config) -> row (and its tokens), for the speedups and estimates
         self.attempt_s: dict[str, float] = {}  # config -> seconds of its last max-batch attempt
@@ -494,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", default="dense,all_on", help=f"of {sorted(CONFIGS)}; dense first (speedups refer to it)")
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True,
                     help="compile each distinct layer once (compilation.outline_layers)")
+    ap.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=False,
+                    help="prefill attention masked by position through flashloop.position_attention in every config, "
+                         "dense included (compilation.position_attention: exact; the stronger dense prefill)")
     ap.add_argument("--inner", choices=["auto", "inductor", "eager"], default="auto",
                     help="compile the rewritten graph with inductor, or run it eagerly; auto: inductor on CUDA, eager on the CPU")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,

@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 
+from flashloop_compile import backend
 from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
@@ -38,6 +39,21 @@ def test_ragged_batch_equals_each_prompt_alone_and_the_reference(switches):
     alone = [single.generate([p], 6).tokens[0] for p in PROMPTS]
     reference = [ReferenceFlashLoop(model, config).greedy(p, 6).tolist() for p in PROMPTS]
     assert batch == alone == reference
+
+
+@pytest.mark.parametrize("token_sparse", [False, True], ids=["dense", "token_sparse"])
+def test_position_attention_generates_what_the_reference_does(token_sparse):
+    # compilation.position_attention (exact): a ragged batch, one-shot and in chunks (later
+    # chunks attend to the earlier ones through the cache), equals the reference
+    model = tiny()
+    config = FlashLoopConfig.from_switches(token_sparse, False, False, **{"token_sparse_prefill.window": 8,
+                                                                          "compilation.position_attention": True})
+    one_shot = _engine(model, config).generate(PROMPTS, 6).tokens
+    prefill = [r for r in backend._reports if r.phase == "prefill"]
+    assert prefill and prefill[-1].matched.get("PositionAttentionPass") == 8  # every site of tiny's 4 x 2
+    chunked = _engine(model, config, prefill_chunk=16).generate(PROMPTS, 6).tokens
+    reference = [ReferenceFlashLoop(model, config).greedy(p, 6).tolist() for p in PROMPTS]
+    assert one_shot == chunked == reference
 
 
 def test_chunked_prefill_aligned_to_windows_equals_one_shot():
