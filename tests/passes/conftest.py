@@ -26,6 +26,24 @@ def capture(model, *args, **kwargs) -> torch.fx.GraphModule:
     return graphs[0]
 
 
+def capture_dynamic(model, ids, pos) -> torch.fx.GraphModule:
+    """The Dynamo graph of a prefill ``model(ids, pos)`` with a dynamic token dimension (as the
+    engine traces it; token-sparse prefill needs it)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch._dynamo.mark_dynamic(pos, 1)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(ids, pos)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
 def tiny(**overrides) -> OuroForCausalLM:
     config = dataclasses.replace(PRESETS["tiny"], **overrides)
     torch.manual_seed(0)

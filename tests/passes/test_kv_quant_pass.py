@@ -20,7 +20,7 @@ from models.hf_style_ouro import LoopedDynamicCache
 from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 
 from .conftest import capture, ragged_batch, tiny
-from .test_token_sparse_pass import _dynamic_capture
+from .conftest import capture_dynamic
 
 QUANT = FlashLoopConfig.from_switches(False, False, True)
 
@@ -145,7 +145,7 @@ def test_prefill_all_on_counts():
     model = tiny()
     model.setup_caches(2, 128)
     ids, pos = ragged_batch([40, 40])
-    gm = _dynamic_capture(model, ids, pos)
+    gm = capture_dynamic(model, ids, pos)
     report = PassManager(FlashLoopConfig.all_on()).run(gm)
     assert report.matched == {"TokenSparsePrefillPass": 2, "KVResidualQuantizationPass": 8}
     assert _counts(gm) == {

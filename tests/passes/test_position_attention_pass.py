@@ -12,7 +12,7 @@ from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.passes import PassManager, RecognitionError
 from flashloop_compile.passes.graph import op_name
 
-from .conftest import capture, ragged_batch, tiny
+from .conftest import capture, capture_dynamic, ragged_batch, tiny
 
 ON = {"compilation.position_attention": True}
 
@@ -49,29 +49,10 @@ def test_with_token_sparse_prefill_and_quantization():
                                                    "flashloop.packed_attention": 0}),
                            ((True, False, True), {"scaled_dot_product_attention": 0, "flashloop.position_attention": 0,
                                                   "flashloop.packed_attention": 8})):
-        torch._dynamo.reset()
-        torch._dynamo.mark_dynamic(ids, 1)
-        torch._dynamo.mark_dynamic(pos, 1)
         gm = capture_dynamic(model, ids, pos)
         report = PassManager(FlashLoopConfig.from_switches(*switches, **ON)).run(gm)
         assert report.matched["PositionAttentionPass"] == 8, report.matched
         assert _counts(gm) == want, switches
-
-
-def capture_dynamic(model, ids, pos):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(pos, 1)
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(ids, pos)
-    torch._dynamo.reset()
-    return graphs[0]
 
 
 def test_compiled_prefill_and_decode_match_eager():

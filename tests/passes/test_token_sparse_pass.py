@@ -13,27 +13,11 @@ from flashloop_compile.passes.graph import GraphSnapshot, op_name
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.state import state_for_model
 
-from .conftest import ragged_batch, tiny
+from .conftest import capture_dynamic, ragged_batch, tiny
 
 
 def _config(**overrides):
     return FlashLoopConfig.from_switches(True, False, False, **overrides)
-
-
-def _dynamic_capture(model, ids, pos):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(pos, 1)
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(ids, pos)
-    torch._dynamo.reset()
-    return graphs[0]
 
 
 def _prefill(model, config, prompts, max_seq=64):
@@ -59,7 +43,7 @@ def test_op_counts_and_untouched_loops():
     model = tiny(total_ut_steps=4, num_hidden_layers=2)
     model.setup_caches(2, 64)
     ids, pos = ragged_batch([9, 9])
-    gm = _dynamic_capture(model, ids, pos)
+    gm = capture_dynamic(model, ids, pos)
     counts_before = {}
     for n in gm.graph.nodes:
         counts_before[op_name(n)] = counts_before.get(op_name(n), 0) + 1
@@ -82,7 +66,7 @@ def test_retention_one_skips_selection_entirely():
     model = tiny()
     model.setup_caches(2, 64)
     ids, pos = ragged_batch([9, 9])
-    gm = _dynamic_capture(model, ids, pos)
+    gm = capture_dynamic(model, ids, pos)
     report = PassManager(_config(**{"token_sparse_prefill.retention": [1, 1, 1, 1]})).run(gm)
     assert report.matched == {"TokenSparsePrefillPass": 0}
     assert "flashloop.select_active" not in [op_name(n) for n in gm.graph.nodes]
@@ -104,7 +88,7 @@ def test_graph_diff():
     model = tiny(total_ut_steps=3, num_hidden_layers=1)
     model.setup_caches(1, 32)
     ids, pos = ragged_batch([6])
-    gm = _dynamic_capture(model, ids, pos)
+    gm = capture_dynamic(model, ids, pos)
     snap = GraphSnapshot(gm)
     PassManager(_config(**{"token_sparse_prefill.retention": [1, 1, 0.5], "token_sparse_prefill.window": 4})).run(gm)
     assert_expected_inline(snap.diff(gm), """\
