@@ -19,8 +19,7 @@ from flashloop_compile.passes.kv_quant import local_keys, selected_positions
 from models.hf_style_ouro import LoopedDynamicCache
 from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 
-from .conftest import capture, ragged_batch, tiny
-from .conftest import capture_dynamic
+from .conftest import capture, capture_dynamic, ragged_batch, tiny
 
 QUANT = FlashLoopConfig.from_switches(False, False, True)
 
