@@ -912,19 +912,14 @@ def _inflight_step(q, k_ptrs, v_ptrs, kmask, tk, kpos, qpos, qvalid, m_i, l_i, a
 
 @triton.jit
 def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale,
-            USE_DOT: tl.constexpr, DOT_T: tl.constexpr, PAIR: tl.constexpr = True):
-    """One online-softmax step over a key tile (keys already rounded to the compute dtype).
-    PAIR: q, keys, values and accumulator come as even/odd channel halves (the packed layout);
-    otherwise as whole rows in qe, ke, ve, acc_e (qo, ko, vo, acc_o unused)."""
+            USE_DOT: tl.constexpr, DOT_T: tl.constexpr):
+    """One online-softmax step over a key tile (keys already rounded to the compute dtype); q,
+    keys, values and accumulator as even/odd channel halves (the packed layout). Prefill's
+    in-flight keys as whole rows: _inflight_step."""
     if USE_DOT:
-        s = _dot_t(qe, ke, DOT_T)
-        if PAIR:
-            s += _dot_t(qo, ko, DOT_T)
+        s = _dot_t(qe, ke, DOT_T) + _dot_t(qo, ko, DOT_T)
     else:
-        s = tl.sum(ke * qe, 1)
-        if PAIR:
-            s += tl.sum(ko * qo, 1)
-        s = s[None, :]
+        s = (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1))[None, :]
     s = s * scale
     vis = kvalid[None, :] & qvalid[:, None] & (kpos[None, :] <= qpos[:, None])
     s = tl.where(vis, s, float("-inf"))
@@ -935,13 +930,11 @@ def _attend(qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e,
     l_i = l_i * alpha + tl.sum(pr, 1)
     if USE_DOT:
         acc_e = acc_e * alpha[:, None] + _dot(pr, ve, DOT_T)
-        if PAIR:
-            acc_o = acc_o * alpha[:, None] + _dot(pr, vo, DOT_T)
+        acc_o = acc_o * alpha[:, None] + _dot(pr, vo, DOT_T)
     else:
         pc = tl.trans(pr)  # [BN, 1]
         acc_e = acc_e * alpha[:, None] + tl.sum(pc * ve, 0)[None, :]
-        if PAIR:
-            acc_o = acc_o * alpha[:, None] + tl.sum(pc * vo, 0)[None, :]
+        acc_o = acc_o * alpha[:, None] + tl.sum(pc * vo, 0)[None, :]
     return m_new, l_i, acc_e, acc_o
 
 
