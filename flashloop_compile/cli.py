@@ -156,7 +156,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             for name in names:
-                cfg = FlashLoopConfig.from_dict({**grid[name], "compilation.outline_layers": args.outline})
+                cfg = FlashLoopConfig.from_dict({**grid[name], "compilation.outline_layers": args.outline,
+                                                 "compilation.position_attention": args.position_attention})
                 prompts = [_synthetic_prompt(model.config.vocab_size, context, args.seed + i) for i in range(batch)]
                 max_seq = -(-(context + args.new_tokens) // 64) * 64 + 64
                 torch._dynamo.reset()
@@ -170,7 +171,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 seconds = time.perf_counter() - t0
                 mem = engine.memory()
                 row = {
-                    "config": name, "context": context, "batch": batch, "new_tokens": args.new_tokens,
+                    "config": name, "config_hash": cfg.hash(), "options": cfg.to_dict(), "context": context, "batch": batch, "new_tokens": args.new_tokens,
                     "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
                     "throughput_tok_s": sum(len(t) for t in result.tokens) / seconds,
                     "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "graphs": result.graphs,
@@ -299,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
                    help="compile the rewritten graph with inductor, or run it eagerly (quick CPU runs)")
     b.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True, help="compile each distinct layer once")
+    b.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill attention masked by position through flashloop.position_attention in every config, dense "
+                        "included (exact: the stronger dense); --no-position-attention keeps the model's masked SDPA")
     b.add_argument("--json")
     b.add_argument("--plot", help="PNG of TTFT, TPOT and KV memory against context")
     b.set_defaults(func=cmd_bench)
