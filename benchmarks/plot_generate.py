@@ -37,6 +37,17 @@ def _latest(rows: list[dict], kind: str, *keys: str) -> dict[tuple, dict]:
     return out
 
 
+def speedup_over_dense(gen: dict[tuple, dict], shape: str, config: str, value, higher_is_better: bool = False) -> float | None:
+    """``config``'s speedup over dense's row of the same shape, from the two plotted rows (rows of
+    several runs carry no speedup field of their own); None for dense itself or a missing row."""
+    if config == "dense" or (shape, config) not in gen or (shape, "dense") not in gen:
+        return None
+    mine, dense = value(gen[(shape, config)]), value(gen[(shape, "dense")])
+    if not mine or not dense:
+        return None
+    return mine / dense if higher_is_better else dense / mine
+
+
 def plot(rows: list[dict], path: str) -> bool:
     """Write the PNG; False (with a message) when matplotlib is missing or there is nothing to draw."""
     try:
@@ -61,7 +72,8 @@ def plot(rows: list[dict], path: str) -> bool:
         ("throughput, new tokens/s", lambda r: r["throughput_tok_s"]),
         ("peak memory GB / KV GB (hatched)", lambda r: r.get("peak_memory_gb")),
     ]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4.5))
+    n = len(panels) + (1 if mb or acc else 0)  # the largest-batch panel only where there are its rows
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4.5))
     width = 0.8 / max(len(configs), 1)
     for ax, (title, value) in zip(axes, panels):
         for j, c in enumerate(configs):
@@ -72,17 +84,28 @@ def plot(rows: list[dict], path: str) -> bool:
             if title.startswith("peak"):
                 kv = [gen[(s, c)]["kv_bytes"] / 1e9 if (s, c) in gen else 0.0 for s in shapes]
                 ax.bar(xs, kv, width, fill=False, hatch="//", edgecolor="black")
-            if title.startswith("TPOT") or title.startswith("TTFT"):
+            if not title.startswith("peak"):
                 for x, s in zip(xs, shapes):
-                    sp = gen.get((s, c), {}).get("speedup_vs_dense")
-                    key = "tpot" if title.startswith("TPOT") else "ttft"
-                    if sp and sp.get(key):
-                        ax.annotate(f"{sp[key]:.2f}x", (x, value(gen[(s, c)])), ha="center", va="bottom", fontsize=7)
+                    ratio = speedup_over_dense(gen, s, c, value, higher_is_better=title.startswith("throughput"))
+                    if ratio is not None:
+                        ax.annotate(f"{ratio:.2f}x", (x, value(gen[(s, c)])), ha="center", va="bottom", fontsize=7)
         ax.set_xticks([i + width * (len(configs) - 1) / 2 for i in range(len(shapes))])
         ax.set_xticklabels(shapes, rotation=20, fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    ax = axes[-1]
+    if mb or acc:
+        _largest_batch(axes[-1], mb, acc)
+    first = next(iter(gen.values()), None) or next(iter(mb.values()), None) or next(iter(acc.values()))
+    fig.suptitle(f"{first.get('preset')} {first.get('gpu', '')} commit {first.get('commit', '?')} {first.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return True
+
+
+def _largest_batch(ax, mb: dict[str, dict], acc: dict[str, dict]) -> None:
+    """Per config: the largest batch the accounting allows and the one decoded, with its throughput."""
     names = list(dict.fromkeys(list(acc) + list(mb)))
     accounted = [acc.get(c, {}).get("max_batch", 0) for c in names]
     verified = [mb[c]["batch"] if c in mb and not mb[c].get("oom") else 0 for c in names]
@@ -98,13 +121,6 @@ def plot(rows: list[dict], path: str) -> bool:
     ax.set_xticklabels(names)
     ax.set_title(f"largest batch at context {ctx}", fontsize=10)
     ax.legend(fontsize=8)
-    first = next(iter(gen.values()), None) or next(iter(mb.values()), None) or next(iter(acc.values()))
-    fig.suptitle(f"{first.get('preset')} {first.get('gpu', '')} commit {first.get('commit', '?')} {first.get('date', '')}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return True
 
 
 def main() -> None:

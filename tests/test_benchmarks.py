@@ -191,3 +191,32 @@ def test_decode_bench_isolates_each_config_and_hands_dense_to_the_others(tmp_pat
     dense, quant = steps
     assert quant["dense_ms"] == {"dense": dense["ms"]}
     assert quant["speedup_vs_dense"] == dense["ms"] / quant["ms"]
+
+
+def test_generate_plot_from_rows_of_several_runs(tmp_path):
+    """plot_generate draws rows appended by several runs (session 20: dense and all-on from
+    different calls, so no all-on row carried a speedup): the ratios come from the plotted rows,
+    lower-is-better for latencies, higher-is-better for throughput; the largest-batch panel only
+    where there are its rows."""
+    import plot_generate
+
+    def row(config, shape, ttft, tpot, tok_s, **extra):
+        return {"kind": "generate", "preset": "tiny", "config": config, "shape": shape, "ttft_ms": ttft, "tpot_ms": tpot,
+                "throughput_tok_s": tok_s, "peak_memory_gb": 3.0, "kv_bytes": 1e9, **extra}
+
+    rows = [row("dense", "1x64+8", 100.0, 10.0, 50.0), row("all_on", "1x64+8", 80.0, 12.5, 40.0),
+            row("all_on", "1x64+8", 50.0, 8.0, 80.0), row("all_on", "2x64+8", 40.0, 4.0, 10.0)]
+    gen = plot_generate._latest(rows, "generate", "shape", "config")
+    ttft, tok_s = (lambda r: r["ttft_ms"]), (lambda r: r["throughput_tok_s"])
+    assert plot_generate.speedup_over_dense(gen, "1x64+8", "all_on", ttft) == 2.0  # the later all-on row wins
+    assert plot_generate.speedup_over_dense(gen, "1x64+8", "all_on", tok_s, higher_is_better=True) == 1.6
+    assert plot_generate.speedup_over_dense(gen, "1x64+8", "dense", ttft) is None
+    assert plot_generate.speedup_over_dense(gen, "2x64+8", "all_on", ttft) is None  # no dense row of that shape
+
+    png = tmp_path / "generate.png"
+    assert plot_generate.plot(rows, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with_batch = rows + [{"kind": "max_batch", "config": "dense", "batch": 5, "context": 32768, "throughput_tok_s": 120.0},
+                         {"kind": "max_batch_accounting", "config": "all_on", "max_batch": 28, "context": 32768}]
+    assert plot_generate.plot(with_batch, str(tmp_path / "with_batch.png"))
+    assert not plot_generate.plot([{"kind": "start"}], str(tmp_path / "none.png"))

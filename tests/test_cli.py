@@ -81,7 +81,7 @@ def test_capacity_planning_counts_decode_scratch_per_slot():
 def test_bench_grid_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--preset", "tiny", "--dtype", "float32", "--inner", "eager", "--contexts", "80", "--batches", "1",
-            "--new-tokens", "3", "--configs", "dense,all_on", "--json", str(out)]
+            "--new-tokens", "3", "--configs", "dense,all_on", "--json", str(out), "--plot", str(tmp_path / "bench.png")]
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [r["config"] for r in rows] == ["dense", "all_on"]
@@ -90,6 +90,7 @@ def test_bench_grid_writes_json(tmp_path, capsys):
     assert rows[0]["options"]["kv_residual_quantization.enabled"] is False
     assert rows[0]["kv_ratio"] == 1.0 and rows[1]["kv_ratio"] > 1.0
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_main_job_runs_without_triton():
