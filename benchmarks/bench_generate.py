@@ -5,8 +5,9 @@ default since session 20): the exact rewrite of the model's masked SDPA, so dens
 dense (1x32K prefill 3343 -> 1593 ms); all-on's quantized prefill does not depend on it.
 
 Part 1, per shape ``BxPROMPT+NEW`` and configuration: an Engine sized for the shape, a warm-up
-``generate`` of 2 tokens (compile + capture), three probe decode steps (to plan the timed run
-against the deadline), then the timed ``generate`` of NEW tokens for B synthetic prompts of PROMPT
+``generate`` of 2 tokens (compile + capture), a probe ``generate`` of 2 tokens and three decode
+steps on its state (the compiled prefill's and a step's time, to plan the timed run against the
+deadline), then the timed ``generate`` of NEW tokens for B synthetic prompts of PROMPT
 tokens (greedy). Reported: TTFT (the prefill), TPOT (median decode step, host-timed with the
 sampling sync, as the engine measures it), throughput (new tokens of the whole batch per second of
 the whole generate), peak memory of the timed generate (torch.cuda.max_memory_allocated after a
@@ -110,6 +111,15 @@ def round_up(n: int, m: int = 64) -> int:
 def _modelled_s(row: dict, new_tokens: int) -> float:
     """Seconds to generate ``new_tokens`` after the prompt as TTFT + (new_tokens - 1) x TPOT."""
     return (row["ttft_ms"] + (new_tokens - 1) * row["tpot_ms"]) / 1e3
+
+
+def tokens_that_fit(new: int, step_s: float, room_s: float) -> int:
+    """How many of ``new`` tokens a timed generate runs in ``room_s`` seconds (after its prefill)
+    at ``step_s`` a decode step: all if they fit, else as many as do, never fewer than 2 (one
+    decode step is what TPOT needs)."""
+    if step_s <= 0 or (new - 1) * step_s * SAFETY <= room_s:
+        return new
+    return max(2, min(new, 1 + int(room_s / (step_s * SAFETY))))
 
 
 def work_order(shapes: list[str], configs: list[str], max_batch: bool) -> list[tuple[str, str | None, str]]:
@@ -234,7 +244,7 @@ class Bench:
 
     def generate_need_s(self, shape: str, name: str) -> tuple[float, str]:
         """A generate item's estimate and its basis: the config's last completed item's compile
-        (its warm-up less its prefill), two prefills and 3 + NEW decode steps scaled by the
+        (its warm-up less its prefill), three prefills and 4 + NEW decode steps scaled by the
         batch's tokens (a step never below the measured one: every step reads the weights);
         --min-item-s before any."""
         last = self.last_generate(name)
@@ -243,8 +253,8 @@ class Bench:
         b, prompt, new = parse_shape(shape)
         scale = b * (prompt + new) / (last["batch"] * (last["prompt"] + last["new_tokens"]))
         compile_s = max(0.0, last["warmup_s"] - last["ttft_ms"] / 1e3)
-        prefills_s = 2 * last["ttft_ms"] / 1e3 * scale
-        steps_s = (3 + new) * last["tpot_ms"] / 1e3 * max(scale, 1.0)
+        prefills_s = 3 * last["ttft_ms"] / 1e3 * scale  # the warm-up's, the probe's, the timed one
+        steps_s = (4 + new) * last["tpot_ms"] / 1e3 * max(scale, 1.0)
         return (SAFETY * (compile_s + prefills_s + steps_s),
                 f"from {last['shape']}: compile {compile_s:.0f} s, prefills {prefills_s:.0f} s, decode {steps_s:.0f} s")
 
@@ -257,10 +267,13 @@ class Bench:
         engine = self.engine(name, b, round_up(prompt + new), new, row)
         sync()
         t0 = time.perf_counter()
-        warm = engine.generate(prompts, 2)  # compile (prefill + decode) and capture
+        engine.generate(prompts, 2)  # compile (prefill + decode) and capture
         sync()
         warmup_s = time.perf_counter() - t0
-        # probe decode steps on the warm state: the step time, to fit the timed run in the deadline
+        # probes on the compiled engine, to fit the timed run in the deadline: a prefill (the
+        # warm-up's includes its compile: 100+ s for all-on, which cut session 20's first all-on
+        # runs to 2 tokens), then decode steps on its state
+        warm = engine.generate(prompts, 2)
         tok = torch.tensor([t[-1] for t in warm.tokens], device=device())
         pos = torch.full((b,), prompt + 1, device=device())
         probe = []
@@ -272,10 +285,7 @@ class Bench:
             probe.append(time.perf_counter() - t1)
             pos = pos + 1
         step_est = max(probe) if probe else (max(warm.token_latency_s) if warm.token_latency_s else 0.0)
-        room = self.deadline.left() - self.args.margin_s - warm.prefill_s
-        n_new = new
-        if step_est > 0 and (new - 1) * step_est * SAFETY > room:
-            n_new = max(2, min(new, 1 + int(room / (step_est * SAFETY))))
+        n_new = tokens_that_fit(new, step_est, self.deadline.left() - self.args.margin_s - warm.prefill_s)
         reset_peak()
         sync()
         t0 = time.perf_counter()
@@ -291,7 +301,7 @@ class Bench:
             "tpot_p10_ms": lat[len(lat) // 10] * 1e3 if lat else None,
             "tpot_p90_ms": lat[(9 * len(lat)) // 10] * 1e3 if lat else None,
             "decode_mean_ms": statistics.fmean(lat) * 1e3 if lat else None,
-            "probe_step_ms": [x * 1e3 for x in probe],
+            "probe_step_ms": [x * 1e3 for x in probe], "probe_prefill_ms": warm.prefill_s * 1e3,
             "total_s": total_s, "generated_tokens": generated, "throughput_tok_s": generated / total_s,
             "decode_tok_s": b / result.tpot_s if lat else None,
             "peak_memory_gb": peak_gb(), "kv_bytes": mem.bytes, "kv_dense_bytes": mem.dense_bytes,

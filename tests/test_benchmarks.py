@@ -220,3 +220,37 @@ def test_generate_plot_from_rows_of_several_runs(tmp_path):
                          {"kind": "max_batch_accounting", "config": "all_on", "max_batch": 28, "context": 32768}]
     assert plot_generate.plot(with_batch, str(tmp_path / "with_batch.png"))
     assert not plot_generate.plot([{"kind": "start"}], str(tmp_path / "none.png"))
+
+
+def test_generate_plans_the_timed_decode_from_a_compiled_prefill(tmp_path, monkeypatch):
+    """Session 20: the warm-up generate's prefill includes its compile (100+ s for all-on), and the
+    timed run was planned from it: every all-on item ran 2 of 256 tokens with a minute left. The
+    plan now uses a probe prefill on the compiled engine."""
+    import time
+    import types
+
+    from flashloop_compile.runtime.engine import GenerationResult
+    from flashloop_compile.runtime.memory import KVMemory
+
+    monkeypatch.setattr(common, "OUT", tmp_path)
+    bench = bench_generate.Bench(bench_generate.parse_args(
+        ["--preset", "tiny", "--dtype", "float32", "--deadline", "60", "--margin-s", "20"]))
+    prefills = iter([100.0, 0.5, 0.5])  # the warm-up's (compile), the probe's, the timed one's
+
+    def generate(prompts, n):
+        return GenerationResult([[1] * n for _ in prompts], [0.0] * len(prompts), [0.01] * (n - 1), prefill_s=next(prefills))
+
+    def decode(tok, pos):
+        time.sleep(0.01)
+        return torch.zeros(len(tok), 8)
+
+    engine = types.SimpleNamespace(generate=generate, decode=decode, max_seq=128, num_graphs=1, cuda_graphs=False,
+                                   capture_s=0.0, packed=None, memory=lambda: KVMemory(1024, None))
+    monkeypatch.setattr(bench, "engine", lambda *a: engine)
+    row = {"batch": 1}
+    bench._timed_generate("1x64+256", "dense", row)
+    assert row["new_tokens"] == 256 and row["probe_prefill_ms"] == 500.0
+
+    assert bench_generate.tokens_that_fit(256, 0.01, 10.0) == 256
+    assert bench_generate.tokens_that_fit(256, 0.01, 1.2) == 101  # 1 + 1.2 / (0.01 x SAFETY 1.2)
+    assert bench_generate.tokens_that_fit(256, 0.01, -80.0) == 2
