@@ -189,7 +189,9 @@ class Compilation:
         Much faster compiles; no fusion across layer boundaries.
     position_attention: prefill attention masked by position (SDPA with a boolean mask over the
         whole cache) becomes flashloop.position_attention, which skips the keys after a query
-        tile's last position (passes/position_attention.py). Exact; off until measured in a step.
+        tile's last position (passes/position_attention.py). Exact; 1x32K prefill 3343 -> 1593 ms
+        (dense), 1862 -> 968 ms (token-sparse) on the H200. Off by default: with every feature off
+        the graph stays untouched (docs/DESIGN.md says why).
     """
 
     outline_layers: bool = False
