@@ -171,7 +171,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 seconds = time.perf_counter() - t0
                 mem = engine.memory()
                 row = {
-                    "config": name, "config_hash": cfg.hash(), "options": cfg.to_dict(), "context": context, "batch": batch, "new_tokens": args.new_tokens,
+                    "config": name, "config_hash": cfg.hash(), "options": cfg.to_dict(),
+                    "context": context, "batch": batch, "new_tokens": args.new_tokens,
                     "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
                     "throughput_tok_s": sum(len(t) for t in result.tokens) / seconds,
                     "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "graphs": result.graphs,
