@@ -196,7 +196,7 @@ def _plot(rows: list[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path}")
+        print(f"matplotlib is not installed: no plot written to {path} (pip install -e '.[plot]')")
         return
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     for name in dict.fromkeys(r["config"] for r in rows):
