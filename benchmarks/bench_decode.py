@@ -227,9 +227,8 @@ def main() -> None:
                     help="after each config's timing, N more replays under the profiler: time per kernel bucket")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="one process per shape and config (default: on with CUDA). A config timed after "
-                         "another in one process can read slower: session 14 saw sparse + quant at 4x32K "
-                         "32.46 ms after dense in one process and 30.85 ms alone, the kernels' device time "
-                         "equal (benchmarks/RESULTS.md)")
+                         "another in one process can read slower with the same kernels (sparse + quant at "
+                         "4x32K: 32.46 ms after dense in one process, 30.85 ms alone, equal device time)")
     ap.add_argument("--dense-ms", default="{}", help=argparse.SUPPRESS)  # an isolated child's dense baseline
     args = ap.parse_args()
     if args.isolate is None:

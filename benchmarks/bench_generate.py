@@ -1,8 +1,8 @@
-"""End-to-end generation through the engine (issue 7): dense vs all features on, same process,
+"""End-to-end generation through the engine: dense vs all features on, same process,
 both decoding under the engine's CUDA graphs (one graph per engine: its batch is its only bucket).
 Both attend their prefill through ``flashloop.position_attention`` (``--position-attention``, on by
-default since session 20): the exact rewrite of the model's masked SDPA, so dense is the stronger
-dense (1x32K prefill 3343 -> 1593 ms); all-on's quantized prefill does not depend on it.
+default): the exact rewrite of the model's masked SDPA, so dense is the stronger dense (1x32K
+prefill 3343 -> 1593 ms); all-on's quantized prefill does not depend on it.
 
 Part 1, per shape ``BxPROMPT+NEW`` and configuration: an Engine sized for the shape, a warm-up
 ``generate`` of 2 tokens (compile + capture), a probe ``generate`` of 2 tokens and three decode
@@ -271,8 +271,8 @@ class Bench:
         sync()
         warmup_s = time.perf_counter() - t0
         # probes on the compiled engine, to fit the timed run in the deadline: a prefill (the
-        # warm-up's includes its compile: 100+ s for all-on, which cut session 20's first all-on
-        # runs to 2 tokens), then decode steps on its state
+        # warm-up's includes its compile, 100+ s for all-on, and would plan too few tokens), then
+        # decode steps on its state
         warm = engine.generate(prompts, 2)
         tok = torch.tensor([t[-1] for t in warm.tokens], device=device())
         pos = torch.full((b,), prompt + 1, device=device())
@@ -512,7 +512,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill attention masked by position through flashloop.position_attention in every config, "
                          "dense included (compilation.position_attention: exact; dense 1x32K prefill 3343 -> 1593 ms, "
-                         "RESULTS session 20); --no-position-attention: the model's own masked SDPA")
+                         "benchmarks/RESULTS.md); --no-position-attention: the model's own masked SDPA")
     ap.add_argument("--inner", choices=["auto", "inductor", "eager"], default="auto",
                     help="compile the rewritten graph with inductor, or run it eagerly; auto: inductor on CUDA, eager on the CPU")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,

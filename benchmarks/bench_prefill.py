@@ -9,7 +9,7 @@ flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak mem
 
 ``dense_causal`` is a reference, not the same model: the model's attention masks by position over
 the whole cache (SDPA with a boolean mask [B, 1, T, S]: PyTorch's masked kernel, 30.7 ms a site at
-32K on the H200 against 6.7 for the causal flash kernel, RESULTS.md session 19), which every
+32K on the H200 against 6.7 for the causal flash kernel, RESULTS.md), which every
 ``dense`` row and every FlashLoop ratio against it includes. ``dense_causal`` traces the model with
 that call replaced by causal SDPA over the prompt's own keys (cache positions [0, T), just
 written): what a dense server's FlashAttention prefill costs. Valid for the bench's input only (a
@@ -34,7 +34,7 @@ from common import Deadline, error_text, device, sync, capture_graph, compile_va
 CONFIGS = {
     "dense": {},
     "dense_causal": {},  # a different trace: see the module docstring
-    # the exact position-attention rewrite (compilation.position_attention, off by default until measured)
+    # the exact position-attention rewrite (compilation.position_attention): the dense baseline
     "dense_position": {"compilation.position_attention": True},
     "token_sparse_position": {"token_sparse_prefill.enabled": True, "compilation.position_attention": True},
     "token_sparse": {"token_sparse_prefill.enabled": True},

@@ -22,8 +22,8 @@ OUT = Path(os.environ.get("OUT", "out"))
 
 
 def git_commit() -> str:
-    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git: session 14's
-    rows said 698d590 for every later commit), else git's HEAD."""
+    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git, whose HEAD
+    is not the code that runs), else git's HEAD."""
     if os.environ.get("FLASHLOOP_COMMIT"):
         return os.environ["FLASHLOOP_COMMIT"]
     try:
@@ -158,7 +158,7 @@ class GpuSampler:
     """SM clock, power, temperature and clock-event reasons sampled by ``nvidia-smi`` every
     ``period_ms`` while the block runs (``.summary``: :func:`parse_gpu_samples`, None without
     nvidia-smi or CUDA). A power- or thermal-capped clock slows a loop of back-to-back graph
-    replays that a two-replay profile does not see (session 13's unexplained 4x32K step)."""
+    replays that a two-replay profile does not see."""
 
     def __init__(self, period_ms: int = 50):
         self.period_ms = period_ms

@@ -8,7 +8,7 @@
 #   SUITE=decode SHAPES=4x32768 DECODE_ARGS="--no-dense-whole --profile 3" bash scripts/gpu_suite.sh  # + 3 profiled
 #     replays per config: device ms per kernel bucket (rows' "profile" in $OUT/decode.jsonl, tables in decode.log)
 #   SUITE=diag,ops,prefill PREFILL_SHAPES=1x8192,1x4096 bash scripts/gpu_suite.sh   # stages: diag tests sweep ops decode prefill generate
-#   FLASHLOOP_FAST_DECODE='{...}' SUITE=generate bash scripts/gpu_suite.sh                # issue 7's run, with a tuning
+#   SUITE=generate GENERATE_ARGS="--shapes=1x32768+256 --no-max-batch" bash scripts/gpu_suite.sh   # end to end
 #
 # The interpreter must be off for compiled kernels: tests/conftest.py only turns it on without CUDA.
 set -uo pipefail
@@ -22,7 +22,7 @@ start=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
 
 if [[ $SUITE == *diag* ]]; then
-  # where a dynamic prompt length gets specialized on CUDA (the engine test's failure mode)
+  # where a dynamic prompt length gets specialized on CUDA (names the node that specializes it)
   timeout 150 python3 scripts/diag_specialization.py -m gpu tests/gpu/test_engine_gpu.py -k "quant and not sparse" -x \
     -p no:cacheprovider > "$OUT/diag.log" 2>&1
   grep -A3 "=== while propagating" "$OUT/diag.log" | head -20
@@ -32,7 +32,7 @@ if [[ $SUITE == *tests* ]]; then
   tail -3 "$OUT/gpu_tests.log"
 fi
 if [[ $SUITE == *sweep* ]]; then
-  # packed decode attention launch parameters; the best (summed over the swept shapes) is used below
+  # packed decode attention launch parameters: prints the best variant (summed over the swept shapes)
   # SWEEP_ARGS: more arguments (e.g. --profile 5: device us per kernel of each variant)
   # SWEEP_VARIANTS: a name filter, alternatives separated by | (default '': the whole grid, about 150 s:
   # the generic path, the bulk kernel's launch points, four packed_read rows and two packed-reference
@@ -48,10 +48,10 @@ total = collections.defaultdict(float); seen = collections.Counter()
 for r in rows:
     total[r["variant"]] += r["us"]; seen[r["variant"]] += 1
 name = min((v for v in total if seen[v] == len(keys)), key=total.get)  # "generic" wins: fast path off
-print(json.dumps(next(r["tuning"] for r in rows if r["variant"] == name)))
+print(name, json.dumps(next(r["tuning"] for r in rows if r["variant"] == name)))
 EOF2
 )
-  [[ -n $best ]] && export FLASHLOOP_FAST_DECODE=$best && echo "fast decode tuning: $best"
+  echo "best decode variant over the swept shapes: $best"
 fi
 if [[ $SUITE == *ops* ]]; then
   # per-site op times of a quantized prefill vs causal SDPA
@@ -69,7 +69,7 @@ if [[ $SUITE == *prefill* ]] && (( $(left) > 150 )); then
   tail -5 "$OUT/prefill.log"
 fi
 if [[ $SUITE == *generate* ]] && (( $(left) > 200 )); then
-  # end-to-end generation (issue 7); FLASHLOOP_FAST_DECODE from the sweep stage, if it ran, applies
+  # end-to-end generation, dense against all on
   timeout $(( $(left) - 10 )) python3 benchmarks/bench_generate.py --deadline $(( $(left) - 40 )) ${GENERATE_ARGS:-} \
     > "$OUT/generate.log" 2>&1
   grep -v '^{' "$OUT/generate.log" | tail -25

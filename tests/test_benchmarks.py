@@ -105,8 +105,8 @@ def test_generate_bench_on_cpu_runs_the_shapes_then_the_max_batch_search(tmp_pat
 
 
 def test_generate_summary_models_end_to_end_when_the_deadline_cut_the_decode(capsys):
-    # session 6: 4x32K+256 all on ran 61 of 256 tokens; the measured e2e ratio would compare 61
-    # tokens with dense's 256, so it is None and the summary gives TTFT + 255 TPOT on both sides
+    # a deadline cut all-on to 61 of 256 tokens: the measured e2e ratio would compare 61 tokens
+    # with dense's 256, so it is None and the summary gives TTFT + 255 TPOT on both sides
     bench = bench_generate.Bench(bench_generate.parse_args(["--preset", "tiny", "--dtype", "float32"]))
     dense = {"ttft_ms": 13353.1, "tpot_ms": 29.99, "throughput_tok_s": 48.7, "kv_bytes": 6 * 2**30,
              "new_tokens": 256, "new_tokens_asked": 256}
@@ -158,8 +158,8 @@ def test_decode_bench_on_cpu_records_a_profile_of_the_step(tmp_path):
 
 
 def test_gpu_samples_summarize_clock_power_and_throttle_reasons():
-    # nvidia-smi's CSV while the decode step's replays run (session 13: the timed 4x32K step did not
-    # follow its kernels' device time; a capped clock would show here)
+    # nvidia-smi's CSV while the decode step's replays run: a capped clock, which slows the timed
+    # step but not its kernels' profiled device time, shows here
     text = ("1980, 612.40, 61, 0x0000000000000000\n"
             "1755, 699.80, 63, 0x0000000000000004\n"  # SW power cap
             "1830, 688.00, 63, 0x0000000000000004\n"
@@ -176,8 +176,8 @@ def test_gpu_samples_summarize_clock_power_and_throttle_reasons():
 
 def test_decode_bench_isolates_each_config_and_hands_dense_to_the_others(tmp_path):
     # --isolate (the default with CUDA): a process per (shape, config), dense first whatever the
-    # order given; the others' rows carry its time as their baseline (session 14: a config timed
-    # after dense in one process read 5% slower with the same kernel time)
+    # order given; the others' rows carry its time as their baseline (a config timed after dense
+    # in one process can read 5% slower with the same kernel time)
     args = ["--preset", "tiny", "--dtype", "float32", "--shapes", "1x64", "--configs", "quant,dense",
             "--no-dense-whole", "--isolate"]
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
@@ -194,8 +194,8 @@ def test_decode_bench_isolates_each_config_and_hands_dense_to_the_others(tmp_pat
 
 
 def test_generate_plot_from_rows_of_several_runs(tmp_path):
-    """plot_generate draws rows appended by several runs (session 20: dense and all-on from
-    different calls, so no all-on row carried a speedup): the ratios come from the plotted rows,
+    """plot_generate draws rows appended by several runs (dense and all-on from different
+    processes, so no all-on row carries a speedup): the ratios come from the plotted rows,
     lower-is-better for latencies, higher-is-better for throughput; the largest-batch panel only
     where there are its rows."""
     import plot_generate
@@ -223,9 +223,9 @@ def test_generate_plot_from_rows_of_several_runs(tmp_path):
 
 
 def test_generate_plans_the_timed_decode_from_a_compiled_prefill(tmp_path, monkeypatch):
-    """Session 20: the warm-up generate's prefill includes its compile (100+ s for all-on), and the
-    timed run was planned from it: every all-on item ran 2 of 256 tokens with a minute left. The
-    plan now uses a probe prefill on the compiled engine."""
+    """The timed run is planned from a probe prefill on the compiled engine, not from the warm-up
+    generate's prefill, which includes its compile (100+ s for all-on) and would plan 2 of 256
+    tokens with a minute left."""
     import time
     import types
 

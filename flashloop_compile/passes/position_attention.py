@@ -4,13 +4,13 @@ A model that keeps its KV cache in place and masks by position (Ouro here, gpt-f
 static caches alike) calls SDPA in prefill with a boolean mask ``[B, 1, T, S]`` over the whole
 cache: PyTorch then runs its masked kernel, which reads every one of the S keys for every query
 tile (30.7 ms a site for a 32K prompt on the H200, where causal flash attention takes 6.7 ms;
-``benchmarks/RESULTS.md``, session 19). ``position_attention`` (Triton) computes the same thing
+``benchmarks/RESULTS.md``). ``position_attention`` (Triton) computes the same thing
 from the positions: keys ``j <= q_pos`` only, key tiles past a query tile's last position never
 loaded (11.4 ms there).
 
 This is a compilation option, not a FlashLoop feature (``compilation.position_attention``, off
 by default so that a features-off compile stays untouched; the benchmarks turn it on in every
-config: a 1x32K dense prefill 3343 -> 1593 ms, session 20): it changes how attention is computed,
+config: a 1x32K dense prefill 3343 -> 1593 ms, ``benchmarks/RESULTS.md``): it changes how attention is computed,
 not what. It runs after token-sparse prefill (which already attends its sparse loops
 this way) and before KV quantization (which replaces either form by ``packed_attention``).
 Prefill graphs only: a decode row's masked SDPA reads a [B, 1, 1, S] mask and is

@@ -15,12 +15,7 @@ Run on the GPU machine: ``TRITON_INTERPRET=0 pytest -m gpu tests/gpu/test_engine
 ``inner="eager"`` (the rewritten graph without Inductor: what is under test is the engine's
 graph mechanism -- static inputs, the step plan, packed-cache addresses, buckets -- and Inductor
 would add about a minute of compiles per configuration). ``FLASHLOOP_GPU_ENGINE_INNER=inductor``
-runs the same checks through Inductor (whole graph, outline_layers off); the two backend bugs
-that made that fail on the CPU (segments compiled for their first call's shapes; runtime buffers
-unknown to AOTAutograd) are fixed (a19cecd, 7e58f45), not yet re-run on the GPU. On the H200
-(2026-11-30, 84f52b1) dense and sparse decode passed; token-sparse, quantization and all-on failed
-before any engine check: the dynamic prompt length was specialized on CUDA (see
-benchmarks/RESULTS.md, "GPU tests").
+runs the same checks through Inductor (whole graph, outline_layers off).
 """
 
 from __future__ import annotations
@@ -47,11 +42,11 @@ CONFIGS = {
     "sparse_decode": {"sparse_decode_attention.enabled": True},
     "quant": {"kv_residual_quantization.enabled": True},
     "all_on": {f"{g}.enabled": True for g in _FEATURES},
-    # all on with the opt-in code-domain correction (tables.PACKED_CORRECTION["linear"], session 15):
+    # all on with the opt-in code-domain correction (tables.PACKED_CORRECTION["linear"]):
     # flashloop.packed_correction_attention at loops 3 and 4 inside the captured graphs
     "all_on_linear_correction": {f"{g}.enabled": True for g in _FEATURES},
     # ... and with the correction's selected keys read to BF16, then corrected (PACKED_CORRECTION
-    # "read_attend" off; "all_on" reads and attends them in one pass, the default since session 17)
+    # "read_attend" off; "all_on" reads and attends them in one pass, the default)
     "all_on_copy_correction": {f"{g}.enabled": True for g in _FEATURES},
 }
 LINEAR_CORRECTION = {"all_on_linear_correction"}
