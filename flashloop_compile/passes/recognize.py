@@ -560,6 +560,9 @@ _CONST_CTORS = {"full", "zeros", "ones", "empty", "full_like", "zeros_like", "on
 _PASS_THROUGH = VIEW_OPS | {"clone", "contiguous", "slice", "narrow", "repeat", "expand", "select", "index_select", "detach", "to", "float", "type", "type_as", "half", "bfloat16", "int", "long", "bool", "_to_copy"}
 _LOGICAL = {"and_", "or_", "invert", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__", "__invert__", "iand", "ior"}
 _ARITH = {"add", "sub", "rsub", "mul", "truediv", "div", "neg", "iadd", "isub", "imul"}
+# Shape queries: a batch size read from an input (``key_pos.expand(ids.shape[0], -1)``, which
+# Dynamo records once a dimension has been dynamic) is a constant of the mask, not tensor data.
+_SHAPE_QUERIES = {"size", "sym_size", "sym_size.int", "dim", "numel", "sym_numel", "sym_stride"}
 
 
 class _MaskAnalyzer:
@@ -601,6 +604,8 @@ class _MaskAnalyzer:
                 return _MaskValue("bool")
             # Float inputs (ALiBi slopes, a user's additive mask) carry no position structure.
             return _MaskValue("pos") if not dt.is_floating_point else _MaskValue("const")
+        if name in _SHAPE_QUERIES:
+            return _MaskValue("const")
         args = [a for a in flatten_args((n.args, n.kwargs)) if isinstance(a, fx.Node)]
         # A read of a buffer that was written in place sees the written values too.
         writes = [w for w in self.df.writes.get(_root(n), []) if self.df.pos[w] < self.df.pos[n]] if name in _PASS_THROUGH else []

@@ -63,6 +63,26 @@ attention sites:
 """)
 
 
+def test_mask_of_a_batch_size_read_from_the_input_is_a_position_comparison():
+    # the recompile for a second batch size (here max_batch) expands the key positions to
+    # input_ids.size(0): a shape query, a constant of the mask
+    model = tiny()
+    model.setup_caches(2, 32)
+    graphs = []
+    compiled = torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for b in (1, 2):
+            ids, pos = ragged_batch([6] * b)
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(pos, 1)
+            compiled(ids, pos.contiguous())
+    torch._dynamo.reset()
+    assert any(n.op == "call_method" and n.target == "size" for n in graphs[-1].graph.nodes)
+    s = recognize(graphs[-1])
+    assert {site.mask_kind for site in s.sites} == {"causal-position"}
+
+
 @pytest.mark.parametrize("loops, layers", [(3, 3), (2, 1), (6, 1)])
 def test_other_loop_and_layer_counts(loops, layers):
     model = tiny(total_ut_steps=loops, num_hidden_layers=layers)
