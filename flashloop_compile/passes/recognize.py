@@ -766,6 +766,15 @@ def recognize(gm: fx.GraphModule) -> LoopStructure:
         )
     (h0, carried), = found.carried.items()
     # H[1] is the loop-1 node that loop 2 reads; H[r] is its counterpart in loop r.
+    if carried[0] not in loops[0]:
+        # The loop's last operation uses no shared weight (a residual add, not Ouro's norm), so
+        # the loop boundary, and with it the state, cannot be placed.
+        raise NoRecurrentBlockError(
+            f"no supported recurrent block: loop 2 reads {describe(carried[0])}, which is not part of loop 1 "
+            f"as its shared weights delimit it (unsupported: every loop must end with an operation on a shared "
+            f"weight, such as Ouro's end-of-loop norm). FlashLoop features need an Ouro-style looped model; "
+            f"compile with all features off for other models"
+        )
     state_index = loops[0].index(carried[0])
     states = [h0] + [loops[r][state_index] for r in range(n_loops)]
     if states[1:-1] != carried:

@@ -149,6 +149,37 @@ def test_model_without_loops_with_a_feature_requested_is_an_error():
     assert "no recurrent block found" in str(err) and "all features off" in str(err)
 
 
+class LoopedLlama(torch.nn.Module):
+    """A looped model that is not Ouro: a Llama-style stack applied three times, each loop ending
+    with the residual add (no end-of-loop norm), one final norm."""
+
+    def __init__(self, config, loops: int = 3) -> None:
+        super().__init__()
+        self.inner = LlamaStyleForCausalLM(config)
+        self.loops = loops
+
+    def forward(self, ids):
+        m = self.inner.model
+        h = m.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1])
+        mask = m._update_causal_mask(None, h, pos, None)
+        rope = m.rotary_emb(h, pos[None])
+        for _ in range(self.loops):
+            for layer in m.layers:
+                h = layer(h, attention_mask=mask, cache_position=pos, position_embeddings=rope)
+        return self.inner.lm_head(m.norm(h))
+
+
+def test_looped_model_that_is_not_ouro_with_a_feature_requested_is_an_error():
+    model = LoopedLlama(tiny().config).eval()
+    ids, _ = ragged_batch([6, 6])
+    err = _compile_error(model, FlashLoopConfig.from_switches(False, True, False), ids)
+    assert isinstance(err, NoRecurrentBlockError)
+    msg = str(err)
+    assert "no supported recurrent block" in msg and "unsupported" in msg and "all features off" in msg
+    assert "node '" in msg
+
+
 def test_single_loop_ouro_with_a_feature_requested_is_an_error():
     hf = HFStyleOuro.from_flashloop(tiny(), total_ut_steps=1).eval()
     ids, _ = ragged_batch([3])
