@@ -458,6 +458,45 @@ class OuroForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
 
+    @classmethod
+    def from_hf(cls, hf_model_or_path: Any, *, dtype: torch.dtype | None = None, device: Any = None) -> "OuroForCausalLM":
+        """This model from a Hugging Face Ouro: an in-memory model (``transformers``' remote-code
+        ``OuroForCausalLM``: its ``config`` and ``state_dict()``) or a checkpoint directory.
+
+        The weights are the same tensors (no copy; ``dtype``/``device`` convert them), so the
+        logits equal the HF model's. Unlike the HF model, whose cache grows by concatenation, this
+        model's cache is written in place (:meth:`setup_caches`), which FlashLoop's features need.
+        """
+        if isinstance(hf_model_or_path, (str, os.PathLike)):
+            return cls.from_pretrained(hf_model_or_path, dtype=dtype, device=device or "cpu")
+        hf_config = getattr(hf_model_or_path, "config", None)
+        if not isinstance(hf_model_or_path, nn.Module) or hf_config is None:
+            raise TypeError(
+                f"from_hf takes a Hugging Face Ouro model (an nn.Module with a .config) or a checkpoint directory, "
+                f"got {type(hf_model_or_path).__name__}"
+            )
+        raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+        config = OuroConfig.from_dict(raw)
+        state = {k: v.detach() for k, v in hf_model_or_path.state_dict().items()}
+        with torch.device("meta"):
+            model = cls(config)
+        expected = set(model.state_dict().keys())
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+            expected.discard("lm_head.weight")
+        missing, unexpected = expected - state.keys(), state.keys() - expected
+        if missing or unexpected:
+            raise ModelConfigError(
+                f"{type(hf_model_or_path).__name__} does not have the Ouro layout: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        if dtype is not None or device is not None:
+            state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}
+        model.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.train(hf_model_or_path.training)
+
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write config.json and model.safetensors with the HF parameter names."""
         from safetensors.torch import save_file

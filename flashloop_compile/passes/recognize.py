@@ -53,6 +53,7 @@ __all__ = [
     "LoopMismatchError",
     "UnsupportedAttentionError",
     "UnrecognizedKVSourceError",
+    "require_inplace_cache",
     "CacheSite",
     "AttentionSite",
     "LoopStructure",
@@ -114,6 +115,33 @@ class CacheSite:
     v_buffer: fx.Node | None = None
     writes: tuple[fx.Node, ...] = ()
     positions: fx.Node | None = None
+
+
+def require_inplace_cache(feature: str, site: "AttentionSite", why: str = "") -> None:
+    """Raise unless ``site`` reads a KV cache written in place at per-row positions, saying what
+    to change: a concat cache (a Hugging Face model's DynamicCache) needs the conversion to this
+    project's model, a model without a cache needs ``setup_caches``."""
+    cache = site.cache
+    if cache is not None and cache.kind == "inplace" and cache.positions is not None:
+        return
+    where = f"the attention at {describe(site.node)} (loop {site.loop + 1}, layer {site.layer})"
+    convert = (
+        "convert a Hugging Face Ouro with flashloop_compile.models.ouro.OuroForCausalLM.from_hf(hf_model_or_path) "
+        "(the same weights, logits equal) and call its setup_caches(max_batch, max_seq) before compiling"
+    )
+    if cache is not None and cache.kind == "concat":
+        found = "a 'concat' cache (grown by torch.cat, as transformers' DynamicCache is)"
+        todo = convert
+    elif cache is not None and cache.kind == "none":
+        found = "a 'none' cache (the current keys only: no cache buffer is written)"
+        todo = f"call model.setup_caches(max_batch, max_seq) before compiling; {convert}"
+    else:
+        found = "no cache written at per-row positions"
+        todo = convert
+    raise RecognitionError(
+        f"{feature} needs a KV cache written in place at per-row positions{f' ({why})' if why else ''}; "
+        f"{where} reads {found}: {todo}"
+    )
 
 
 @dataclass
@@ -557,7 +585,12 @@ class _MaskValue:
 
 
 _CONST_CTORS = {"full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "new_full", "new_zeros", "new_ones", "scalar_tensor", "tensor"}
-_PASS_THROUGH = VIEW_OPS | {"clone", "contiguous", "slice", "narrow", "repeat", "expand", "select", "index_select", "detach", "to", "float", "type", "type_as", "half", "bfloat16", "int", "long", "bool", "_to_copy"}
+# torch.vmap under Dynamo (transformers' masking utilities vmap a mask function over batch, head,
+# query and key indices): _add_batch_dim / _remove_batch_dim move a dimension in or out of the
+# batched view and leave the values as they are; a padding mask function's lookup
+# padding_mask[batch_idx, kv_idx] is recorded as aten.index.
+_VMAP_DIMS = {"_add_batch_dim", "_remove_batch_dim"}
+_PASS_THROUGH = VIEW_OPS | _VMAP_DIMS | {"index", "index.Tensor", "clone", "contiguous", "slice", "narrow", "repeat", "expand", "select", "index_select", "detach", "to", "float", "type", "type_as", "half", "bfloat16", "int", "long", "bool", "_to_copy"}
 _LOGICAL = {"and_", "or_", "invert", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__", "__invert__", "iand", "ior"}
 _ARITH = {"add", "sub", "rsub", "mul", "truediv", "div", "neg", "iadd", "isub", "imul"}
 # Shape queries: a batch size read from an input (``key_pos.expand(ids.shape[0], -1)``, which

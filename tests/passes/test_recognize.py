@@ -11,6 +11,7 @@ from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.models.ouro import Readout
 from flashloop_compile.passes import NoRecurrentBlockError, UnsupportedAttentionError, recognize
+from flashloop_compile.passes.graph import op_name
 from models.hf_style_ouro import LlamaStyleForCausalLM, LoopedDynamicCache
 from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 
@@ -130,6 +131,31 @@ coda: getitem, linear
 attention sites:
   8 sites (loop 1, layer 0)..(loop 4, layer 1): eager: q f32[2, 2, 1, 64] k f32[2, 2, 10, 64]; kv concat past f32[2, 2, 9, 64]; mask causal-position; query_len 1
 """)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_mask_from_the_masking_utilities_under_vmap_is_a_position_comparison(impl):
+    # the published Ouro code builds its mask with transformers' masking utilities: kv_idx <= q_idx
+    # vmapped over batch, head, query and key (Dynamo: _add_batch_dim / _remove_batch_dim)
+    hf = HFStyleOuro.from_flashloop(tiny(), attn_implementation=impl, mask_implementation="masking_utils").eval()
+    ids, _ = ragged_batch([9, 9])
+    padding = torch.ones(2, 9, dtype=torch.long)
+    padding[0, :3] = 0
+    cache = LoopedDynamicCache()
+    with torch.no_grad():
+        hf(ids, past_key_values=cache)
+    graphs = {
+        "prefill": capture(hf, ids),
+        "padded prefill": capture(hf, ids, attention_mask=padding),
+        "decode": capture(hf, ids[:, :1], past_key_values=cache),
+    }
+    for name, gm in graphs.items():
+        assert any(op_name(n) == "_add_batch_dim" for n in gm.graph.nodes), name
+        s = recognize(gm)
+        assert (s.num_loops, s.num_layers) == (4, 2), name
+        assert all(site.mask is not None for site in s.sites), name
+        assert {site.mask_kind for site in s.sites} == {"causal-position"}, name
+    assert {site.cache.kind for site in recognize(graphs["decode"]).sites} == {"concat"}
 
 
 def _compile_error(model, config, *args, **kwargs) -> BaseException:
