@@ -46,6 +46,13 @@ class ModelConfigError(ValueError):
     """An Ouro config.json or preset that this implementation cannot run."""
 
 
+def _read_json(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{file} is not valid JSON ({e})") from None
+
+
 @dataclass(frozen=True)
 class OuroConfig:
     vocab_size: int = 49152
@@ -97,6 +104,12 @@ class OuroConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "OuroConfig":
         """From an HF ``config.json`` dict; fields this model does not implement are errors."""
+        model_type = d.get("model_type", "ouro")
+        if model_type != "ouro":
+            raise ModelConfigError(
+                f"model_type={model_type!r} is not supported: expected model_type 'ouro' (an Ouro checkpoint; "
+                f"FlashLoop runs looped Ouro models only)"
+            )
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"hidden_act={act!r} is not supported: Ouro uses a SwiGLU MLP ('silu')")
@@ -400,17 +413,31 @@ class OuroForCausalLM(nn.Module):
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found: from_pretrained needs an HF model directory")
-        config = OuroConfig.from_dict(json.loads(cfg_file.read_text()))
+        raw = _read_json(cfg_file)
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{cfg_file} holds {type(raw).__name__}, not a JSON object of config fields")
+        try:
+            config = OuroConfig.from_dict(raw)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{cfg_file}: {e}") from None
         single, index = path / "model.safetensors", path / "model.safetensors.index.json"
         if single.is_file():
             files = [single]
         elif index.is_file():
-            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ModelConfigError(f"{index} has no 'weight_map' object: the file is not a safetensors index")
+            files = [path / f for f in sorted(set(weight_map.values()))]
         else:
             raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
         state: dict[str, Tensor] = {}
         for f in files:
-            state.update(load_file(str(f), device=str(device)))
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} not found (listed in {index})")
+            try:
+                state.update(load_file(str(f), device=str(device)))
+            except Exception as e:  # safetensors raises its own error types for a damaged header or data
+                raise ModelConfigError(f"{f} is not a readable safetensors file ({type(e).__name__}: {e})") from None
         with torch.device("meta"):
             model = cls(config)
         if config.tie_word_embeddings:
@@ -430,6 +457,45 @@ class OuroForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return model
+
+    @classmethod
+    def from_hf(cls, hf_model_or_path: Any, *, dtype: torch.dtype | None = None, device: Any = None) -> "OuroForCausalLM":
+        """This model from a Hugging Face Ouro: an in-memory model (``transformers``' remote-code
+        ``OuroForCausalLM``: its ``config`` and ``state_dict()``) or a checkpoint directory.
+
+        The weights are the same tensors (no copy; ``dtype``/``device`` convert them), so the
+        logits equal the HF model's. Unlike the HF model, whose cache grows by concatenation, this
+        model's cache is written in place (:meth:`setup_caches`), which FlashLoop's features need.
+        """
+        if isinstance(hf_model_or_path, (str, os.PathLike)):
+            return cls.from_pretrained(hf_model_or_path, dtype=dtype, device=device or "cpu")
+        hf_config = getattr(hf_model_or_path, "config", None)
+        if not isinstance(hf_model_or_path, nn.Module) or hf_config is None:
+            raise TypeError(
+                f"from_hf takes a Hugging Face Ouro model (an nn.Module with a .config) or a checkpoint directory, "
+                f"got {type(hf_model_or_path).__name__}"
+            )
+        raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+        config = OuroConfig.from_dict(raw)
+        state = {k: v.detach() for k, v in hf_model_or_path.state_dict().items()}
+        with torch.device("meta"):
+            model = cls(config)
+        expected = set(model.state_dict().keys())
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+            expected.discard("lm_head.weight")
+        missing, unexpected = expected - state.keys(), state.keys() - expected
+        if missing or unexpected:
+            raise ModelConfigError(
+                f"{type(hf_model_or_path).__name__} does not have the Ouro layout: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        if dtype is not None or device is not None:
+            state = {k: v.to(dtype=dtype, device=device) for k, v in state.items()}
+        model.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.train(hf_model_or_path.training)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write config.json and model.safetensors with the HF parameter names."""

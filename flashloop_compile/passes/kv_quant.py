@@ -37,7 +37,7 @@ from flashloop_compile.lowering.packed_ops import local_keys, selected_positions
 from flashloop_compile.lowering.tables import PACKED_CORRECTION
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
 from flashloop_compile.passes.manager import FlashLoopPass
-from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
+from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe, require_inplace_cache
 from flashloop_compile.passes.sparse_decode import site_scale
 
 __all__ = [
@@ -63,12 +63,7 @@ class KVResidualQuantizationPass(FlashLoopPass):
 
     def check(self, structure: LoopStructure) -> None:
         for s in structure.sites:
-            if s.cache is None or s.cache.kind != "inplace" or s.cache.positions is None:
-                kind = "no cache" if s.cache is None else s.cache.kind
-                raise RecognitionError(
-                    f"kv_residual_quantization replaces a KV cache written in place at per-row positions; the "
-                    f"attention at {describe(s.node)} (loop {s.loop + 1}, layer {s.layer}) reads a '{kind}' cache"
-                )
+            require_inplace_cache("kv_residual_quantization", s, "it replaces that cache")
             if not s.mask_supported:
                 raise RecognitionError(f"kv_residual_quantization cannot rewrite {describe(s.node)}: {s.mask_kind}")
             shape = shape_of(s.cache.positions)

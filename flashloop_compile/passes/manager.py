@@ -298,4 +298,6 @@ def _impure(n: fx.Node) -> bool:
         return True
     if n.op == "call_method" and str(n.target).endswith("_"):
         return True
+    if n.op == "call_function" and getattr(n.target, "__name__", "") in ("_vmap_increment_nesting", "_vmap_decrement_nesting"):
+        return True  # torch.vmap's levels (transformers' masks): _add_batch_dim needs them
     return n.is_impure()

@@ -53,6 +53,7 @@ __all__ = [
     "LoopMismatchError",
     "UnsupportedAttentionError",
     "UnrecognizedKVSourceError",
+    "require_inplace_cache",
     "CacheSite",
     "AttentionSite",
     "LoopStructure",
@@ -114,6 +115,33 @@ class CacheSite:
     v_buffer: fx.Node | None = None
     writes: tuple[fx.Node, ...] = ()
     positions: fx.Node | None = None
+
+
+def require_inplace_cache(feature: str, site: "AttentionSite", why: str = "") -> None:
+    """Raise unless ``site`` reads a KV cache written in place at per-row positions, saying what
+    to change: a concat cache (a Hugging Face model's DynamicCache) needs the conversion to this
+    project's model, a model without a cache needs ``setup_caches``."""
+    cache = site.cache
+    if cache is not None and cache.kind == "inplace" and cache.positions is not None:
+        return
+    where = f"the attention at {describe(site.node)} (loop {site.loop + 1}, layer {site.layer})"
+    convert = (
+        "convert a Hugging Face Ouro with flashloop_compile.models.ouro.OuroForCausalLM.from_hf(hf_model_or_path) "
+        "(the same weights, logits equal) and call its setup_caches(max_batch, max_seq) before compiling"
+    )
+    if cache is not None and cache.kind == "concat":
+        found = "a 'concat' cache (grown by torch.cat, as transformers' DynamicCache is)"
+        todo = convert
+    elif cache is not None and cache.kind == "none":
+        found = "a 'none' cache (the current keys only: no cache buffer is written)"
+        todo = f"call model.setup_caches(max_batch, max_seq) before compiling; {convert}"
+    else:
+        found = "no cache written at per-row positions"
+        todo = convert
+    raise RecognitionError(
+        f"{feature} needs a KV cache written in place at per-row positions{f' ({why})' if why else ''}; "
+        f"{where} reads {found}: {todo}"
+    )
 
 
 @dataclass
@@ -557,9 +585,17 @@ class _MaskValue:
 
 
 _CONST_CTORS = {"full", "zeros", "ones", "empty", "full_like", "zeros_like", "ones_like", "new_full", "new_zeros", "new_ones", "scalar_tensor", "tensor"}
-_PASS_THROUGH = VIEW_OPS | {"clone", "contiguous", "slice", "narrow", "repeat", "expand", "select", "index_select", "detach", "to", "float", "type", "type_as", "half", "bfloat16", "int", "long", "bool", "_to_copy"}
+# torch.vmap under Dynamo (transformers' masking utilities vmap a mask function over batch, head,
+# query and key indices): _add_batch_dim / _remove_batch_dim move a dimension in or out of the
+# batched view and leave the values as they are; a padding mask function's lookup
+# padding_mask[batch_idx, kv_idx] is recorded as aten.index.
+_VMAP_DIMS = {"_add_batch_dim", "_remove_batch_dim"}
+_PASS_THROUGH = VIEW_OPS | _VMAP_DIMS | {"index", "index.Tensor", "clone", "contiguous", "slice", "narrow", "repeat", "expand", "select", "index_select", "detach", "to", "float", "type", "type_as", "half", "bfloat16", "int", "long", "bool", "_to_copy"}
 _LOGICAL = {"and_", "or_", "invert", "logical_and", "logical_or", "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "__and__", "__or__", "__invert__", "iand", "ior"}
 _ARITH = {"add", "sub", "rsub", "mul", "truediv", "div", "neg", "iadd", "isub", "imul"}
+# Shape queries: a batch size read from an input (``key_pos.expand(ids.shape[0], -1)``, which
+# Dynamo records once a dimension has been dynamic) is a constant of the mask, not tensor data.
+_SHAPE_QUERIES = {"size", "sym_size", "sym_size.int", "dim", "numel", "sym_numel", "sym_stride"}
 
 
 class _MaskAnalyzer:
@@ -601,6 +637,8 @@ class _MaskAnalyzer:
                 return _MaskValue("bool")
             # Float inputs (ALiBi slopes, a user's additive mask) carry no position structure.
             return _MaskValue("pos") if not dt.is_floating_point else _MaskValue("const")
+        if name in _SHAPE_QUERIES:
+            return _MaskValue("const")
         args = [a for a in flatten_args((n.args, n.kwargs)) if isinstance(a, fx.Node)]
         # A read of a buffer that was written in place sees the written values too.
         writes = [w for w in self.df.writes.get(_root(n), []) if self.df.pos[w] < self.df.pos[n]] if name in _PASS_THROUGH else []
@@ -761,6 +799,15 @@ def recognize(gm: fx.GraphModule) -> LoopStructure:
         )
     (h0, carried), = found.carried.items()
     # H[1] is the loop-1 node that loop 2 reads; H[r] is its counterpart in loop r.
+    if carried[0] not in loops[0]:
+        # The loop's last operation uses no shared weight (a residual add, not Ouro's norm), so
+        # the loop boundary, and with it the state, cannot be placed.
+        raise NoRecurrentBlockError(
+            f"no supported recurrent block: loop 2 reads {describe(carried[0])}, which is not part of loop 1 "
+            f"as its shared weights delimit it (unsupported: every loop must end with an operation on a shared "
+            f"weight, such as Ouro's end-of-loop norm). FlashLoop features need an Ouro-style looped model; "
+            f"compile with all features off for other models"
+        )
     state_index = loops[0].index(carried[0])
     states = [h0] + [loops[r][state_index] for r in range(n_loops)]
     if states[1:-1] != carried:

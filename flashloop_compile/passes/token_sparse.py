@@ -27,7 +27,7 @@ import torch.fx as fx
 from flashloop_compile.lowering.selection_ops import ratio_fraction, selected_count
 from flashloop_compile.passes.graph import runtime_buffer, shape_of, val
 from flashloop_compile.passes.manager import FlashLoopPass
-from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
+from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe, require_inplace_cache
 from flashloop_compile.passes.sparse_decode import site_scale
 
 __all__ = ["TokenSparsePrefillPass", "gather_rows", "scatter_rows"]
@@ -88,13 +88,7 @@ class TokenSparsePrefillPass(FlashLoopPass):
         if not self._sparse_depths(structure):
             return
         for s in structure.sites:
-            if s.cache is None or s.cache.kind != "inplace" or s.cache.positions is None:
-                kind = "no cache" if s.cache is None else s.cache.kind
-                raise RecognitionError(
-                    f"token_sparse_prefill needs a KV cache written in place at per-row positions (inactive tokens "
-                    f"keep their K/V there); the attention at {describe(s.node)} (loop {s.loop + 1}, layer {s.layer}) "
-                    f"reads a '{kind}' cache"
-                )
+            require_inplace_cache("token_sparse_prefill", s, "inactive tokens keep their K/V there")
             if not s.mask_supported:
                 raise RecognitionError(f"token_sparse_prefill cannot rewrite {describe(s.node)}: {s.mask_kind}")
 

@@ -46,6 +46,11 @@ __all__ = [
     "ALL_ATTENTION_FUNCTIONS",
     "build_alibi_slopes",
     "prepare_4d_causal_attention_mask_with_cache_position",
+    "causal_mask_function",
+    "padding_mask_function",
+    "and_masks",
+    "sdpa_mask",
+    "eager_mask",
     "OuroAttention",
     "OuroMLP",
     "OuroDecoderLayer",
@@ -76,6 +81,9 @@ class HFStyleOuroConfig:
             the query (negative-test variant).
         position_embedding_type: ``"rope"`` (Ouro) or ``"alibi"`` (negative-test variant).
         attn_implementation: ``"eager"`` or ``"sdpa"``.
+        mask_implementation: ``"prepare_4d"`` (the 4-D additive mask of older ``transformers``)
+            or ``"masking_utils"`` (the published Ouro code: ``transformers.masking_utils``'
+            ``create_causal_mask``, a mask function vmapped over batch, head, query and key).
     """
 
     model_type = "ouro"
@@ -107,6 +115,7 @@ class HFStyleOuroConfig:
         bos_token_id: Optional[int] = 1,
         eos_token_id: Optional[int] = 2,
         attn_implementation: str = "eager",
+        mask_implementation: str = "prepare_4d",
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -140,6 +149,9 @@ class HFStyleOuroConfig:
         if attn_implementation not in ALL_ATTENTION_FUNCTIONS:
             raise ValueError(f"attn_implementation must be one of {sorted(ALL_ATTENTION_FUNCTIONS)}, got {attn_implementation!r}")
         self._attn_implementation = attn_implementation
+        if mask_implementation not in ("prepare_4d", "masking_utils"):
+            raise ValueError(f"mask_implementation must be 'prepare_4d' or 'masking_utils', got {mask_implementation!r}")
+        self.mask_implementation = mask_implementation
         self.layer_types = [
             "sliding_attention" if self.sliding_window is not None else "full_attention"
             for _ in range(num_hidden_layers)
@@ -464,6 +476,83 @@ def prepare_4d_causal_attention_mask_with_cache_position(
     return causal_mask
 
 
+# The masking utilities of ``transformers.masking_utils`` (what the published modeling_ouro.py
+# calls through ``create_causal_mask``): a mask function of (batch, head, query, key) indices,
+# vmapped over all four, so that Dynamo records the comparison between ``_add_batch_dim`` and
+# ``_remove_batch_dim`` calls.
+def causal_mask_function(batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    return kv_idx <= q_idx
+
+
+def padding_mask_function(padding_mask: torch.Tensor) -> Callable:
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return padding_mask[batch_idx, kv_idx]
+
+    return inner_mask
+
+
+def and_masks(*mask_functions: Callable) -> Callable:
+    def and_mask(batch_idx, head_idx, q_idx, kv_idx):
+        result = q_idx.new_ones((), dtype=torch.bool)
+        for mask in mask_functions:
+            result = result & mask(batch_idx, head_idx, q_idx, kv_idx)
+        return result
+
+    return and_mask
+
+
+def _vmap_for_bhqkv(mask_function: Callable) -> Callable:
+    """Vmap over key, then query, head and batch indices: a [B, H, Q, KV] boolean mask."""
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        mask_function = torch.vmap(mask_function, in_dims=dims, out_dims=0)
+    return mask_function
+
+
+def sdpa_mask(
+    batch_size: int,
+    cache_position: torch.Tensor,
+    kv_length: int,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: Optional[torch.Tensor] = None,
+    allow_is_causal_skip: bool = True,
+) -> Optional[torch.Tensor]:
+    """A boolean [B, 1, Q, KV] mask (True = attend), or None where SDPA's is_causal does the same
+    (never while compiling, as in ``transformers``)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    q_length = cache_position.shape[0]
+    if (
+        allow_is_causal_skip
+        and attention_mask is None
+        and not torch.compiler.is_compiling()
+        and (q_length == 1 or kv_length == q_length)
+    ):
+        return None
+    kv_arange = torch.arange(kv_length, device=cache_position.device)
+    kv_arange += kv_offset
+    if attention_mask is not None:
+        mask_function = and_masks(mask_function, padding_mask_function(attention_mask.to(torch.bool)))
+    batch_arange = torch.arange(batch_size, device=cache_position.device)
+    head_arange = torch.arange(1, device=cache_position.device)
+    with TransformGetItemToIndex():  # padding_mask[batch_idx, kv_idx] on 0-d batched indices
+        return _vmap_for_bhqkv(mask_function)(batch_arange, head_arange, cache_position, kv_arange)
+
+
+def eager_mask(
+    batch_size: int,
+    cache_position: torch.Tensor,
+    kv_length: int,
+    dtype: torch.dtype,
+    kv_offset: int = 0,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The additive float form of :func:`sdpa_mask`: 0 where attended, the dtype's minimum elsewhere."""
+    mask = sdpa_mask(batch_size, cache_position, kv_length, kv_offset, mask_function, attention_mask, allow_is_causal_skip=False)
+    return torch.where(mask, torch.tensor(0.0, device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+
 # ------------------------------------------------------------------------------------------------
 # Layers
 # ------------------------------------------------------------------------------------------------
@@ -627,6 +716,16 @@ class _MaskMixin:
         dtype, device = input_tensor.dtype, input_tensor.device
         batch_size, sequence_length = input_tensor.shape[0], input_tensor.shape[1]
         uses_alibi = self.config.position_embedding_type == "alibi"
+
+        if self.config.mask_implementation == "masking_utils":
+            if uses_alibi or self.config.sliding_window is not None:
+                raise NotImplementedError("mask_implementation='masking_utils' builds the plain causal mask only")
+            kv_length = past_seen_tokens + sequence_length
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                kv_length = attention_mask.shape[-1]
+            if self.config._attn_implementation == "sdpa":
+                return sdpa_mask(batch_size, cache_position, kv_length, attention_mask=attention_mask)
+            return eager_mask(batch_size, cache_position, kv_length, dtype, attention_mask=attention_mask)
 
         # SDPA: rely on `is_causal` (or nothing, for one decode query) when no mask is needed.
         if (

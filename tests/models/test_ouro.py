@@ -605,3 +605,26 @@ def test_input_errors(tiny_model):
         model.setup_caches(max_batch=1, max_seq=TINY.max_position_embeddings + 1)
     model.setup_caches(max_batch=1, max_seq=TINY.max_position_embeddings)  # the limit itself is fine
     assert model.cache_capacity == (1, TINY.max_position_embeddings)
+
+
+def test_a_checkpoint_of_another_model_type_is_refused_naming_the_file(tmp_path, tiny_model):
+    tiny_model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ModelConfigError, match=r"config\.json: model_type='gpt2' is not supported: expected model_type 'ouro'"):
+        OuroForCausalLM.from_pretrained(tmp_path)
+
+
+def test_corrupted_checkpoint_files_are_errors_naming_the_file(tmp_path, tiny_model):
+    tiny_model.save_pretrained(tmp_path)
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    with pytest.raises(ModelConfigError, match=r"model\.safetensors is not a readable safetensors file"):
+        OuroForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(weights)
+    (tmp_path / "config.json").write_text('{"hidden_size": 128,')
+    with pytest.raises(ModelConfigError, match=r"config\.json is not valid JSON"):
+        OuroForCausalLM.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelConfigError, match=r"config\.json holds list"):
+        OuroForCausalLM.from_pretrained(tmp_path)

@@ -11,6 +11,7 @@ from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.models.ouro import Readout
 from flashloop_compile.passes import NoRecurrentBlockError, UnsupportedAttentionError, recognize
+from flashloop_compile.passes.graph import op_name
 from models.hf_style_ouro import LlamaStyleForCausalLM, LoopedDynamicCache
 from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 
@@ -63,6 +64,26 @@ attention sites:
 """)
 
 
+def test_mask_of_a_batch_size_read_from_the_input_is_a_position_comparison():
+    # the recompile for a second batch size (here max_batch) expands the key positions to
+    # input_ids.size(0): a shape query, a constant of the mask
+    model = tiny()
+    model.setup_caches(2, 32)
+    graphs = []
+    compiled = torch.compile(model, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for b in (1, 2):
+            ids, pos = ragged_batch([6] * b)
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch._dynamo.mark_dynamic(pos, 1)
+            compiled(ids, pos.contiguous())
+    torch._dynamo.reset()
+    assert any(n.op == "call_method" and n.target == "size" for n in graphs[-1].graph.nodes)
+    s = recognize(graphs[-1])
+    assert {site.mask_kind for site in s.sites} == {"causal-position"}
+
+
 @pytest.mark.parametrize("loops, layers", [(3, 3), (2, 1), (6, 1)])
 def test_other_loop_and_layer_counts(loops, layers):
     model = tiny(total_ut_steps=loops, num_hidden_layers=layers)
@@ -112,6 +133,31 @@ attention sites:
 """)
 
 
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_mask_from_the_masking_utilities_under_vmap_is_a_position_comparison(impl):
+    # the published Ouro code builds its mask with transformers' masking utilities: kv_idx <= q_idx
+    # vmapped over batch, head, query and key (Dynamo: _add_batch_dim / _remove_batch_dim)
+    hf = HFStyleOuro.from_flashloop(tiny(), attn_implementation=impl, mask_implementation="masking_utils").eval()
+    ids, _ = ragged_batch([9, 9])
+    padding = torch.ones(2, 9, dtype=torch.long)
+    padding[0, :3] = 0
+    cache = LoopedDynamicCache()
+    with torch.no_grad():
+        hf(ids, past_key_values=cache)
+    graphs = {
+        "prefill": capture(hf, ids),
+        "padded prefill": capture(hf, ids, attention_mask=padding),
+        "decode": capture(hf, ids[:, :1], past_key_values=cache),
+    }
+    for name, gm in graphs.items():
+        assert any(op_name(n) == "_add_batch_dim" for n in gm.graph.nodes), name
+        s = recognize(gm)
+        assert (s.num_loops, s.num_layers) == (4, 2), name
+        assert all(site.mask is not None for site in s.sites), name
+        assert {site.mask_kind for site in s.sites} == {"causal-position"}, name
+    assert {site.cache.kind for site in recognize(graphs["decode"]).sites} == {"concat"}
+
+
 def _compile_error(model, config, *args, **kwargs) -> BaseException:
     torch._dynamo.reset()
     with pytest.raises(Exception) as info, torch.no_grad():
@@ -127,6 +173,37 @@ def test_model_without_loops_with_a_feature_requested_is_an_error():
     err = _compile_error(model, FlashLoopConfig.from_switches(False, True, False), ids)
     assert isinstance(err, NoRecurrentBlockError)
     assert "no recurrent block found" in str(err) and "all features off" in str(err)
+
+
+class LoopedLlama(torch.nn.Module):
+    """A looped model that is not Ouro: a Llama-style stack applied three times, each loop ending
+    with the residual add (no end-of-loop norm), one final norm."""
+
+    def __init__(self, config, loops: int = 3) -> None:
+        super().__init__()
+        self.inner = LlamaStyleForCausalLM(config)
+        self.loops = loops
+
+    def forward(self, ids):
+        m = self.inner.model
+        h = m.embed_tokens(ids)
+        pos = torch.arange(ids.shape[1])
+        mask = m._update_causal_mask(None, h, pos, None)
+        rope = m.rotary_emb(h, pos[None])
+        for _ in range(self.loops):
+            for layer in m.layers:
+                h = layer(h, attention_mask=mask, cache_position=pos, position_embeddings=rope)
+        return self.inner.lm_head(m.norm(h))
+
+
+def test_looped_model_that_is_not_ouro_with_a_feature_requested_is_an_error():
+    model = LoopedLlama(tiny().config).eval()
+    ids, _ = ragged_batch([6, 6])
+    err = _compile_error(model, FlashLoopConfig.from_switches(False, True, False), ids)
+    assert isinstance(err, NoRecurrentBlockError)
+    msg = str(err)
+    assert "no supported recurrent block" in msg and "unsupported" in msg and "all features off" in msg
+    assert "node '" in msg
 
 
 def test_single_loop_ouro_with_a_feature_requested_is_an_error():
