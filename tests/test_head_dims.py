@@ -3,9 +3,11 @@
 the packed cache cannot hold is refused by the config with a message that says what to change.
 
 The tolerance: both paths run the same FP32 arithmetic up to the order of a few reductions
-(measured <= 2e-6 in logits); one INT4 code on the other side of a rounding boundary moves logits
-by ~1e-2 (a reference that divided by sqrt(head_dim) where SDPA multiplies by 1/sqrt(head_dim) did
-that at head_dim 32 and 128). ATOL sits between the two.
+(measured <= 2e-6 in logits and stored K/V). One INT4 code on the other side of a rounding
+boundary moves a stored value by a whole quantization step (1e-3..1e-1) and logits by 1e-5..1e-2:
+a reference that divided by sqrt(head_dim) where SDPA multiplies by 1/sqrt(head_dim) did that at
+head_dim 32 and 128. The stored K/V are compared too, since a flipped code can move the logits of
+a random model by little.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import torch
 
 from flashloop_compile.backend import make_backend
 from flashloop_compile.config import ConfigError, FlashLoopConfig
+from flashloop_compile.lowering.packed_ops import packed_read
 from flashloop_compile.models.ouro import PRESETS, OuroForCausalLM
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
 
-ATOL = 1e-4
+ATOL = 1e-5  # logits and stored K/V (FP32)
 DECODE_STEPS = 3
 
 # (head_dim, query heads, kv heads, group_size) on the tiny preset's hidden size 128, GQA where the
@@ -44,6 +47,23 @@ def _config(all_on: bool, group_size: int) -> FlashLoopConfig:
     return FlashLoopConfig.from_switches(all_on, all_on, True, **flat)
 
 
+def _check_stored(engine: Engine, requests, lengths) -> None:
+    """Every layer's and depth's stored K/V as the packed cache returns them equal the reference
+    store's (an INT4 code that differs shows here whatever the logits do)."""
+    cache = engine.packed
+    pos = torch.full((len(lengths), max(lengths)), -1, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        pos[b, :n] = torch.arange(n)
+    for layer in range(cache.num_layers):
+        for depth in range(cache.num_loops):
+            k, v = packed_read(cache, layer, pos, depth)
+            for b, (req, n) in enumerate(zip(requests, lengths)):
+                rk, rv = req.store.read(layer, depth, n)
+                where = f"layer {layer} depth {depth} row {b}"
+                torch.testing.assert_close(k[b, :, :n], rk.transpose(0, 1), rtol=0, atol=ATOL, msg=lambda m: f"K {where}: {m}")
+                torch.testing.assert_close(v[b, :, :n], rv.transpose(0, 1), rtol=0, atol=ATOL, msg=lambda m: f"V {where}: {m}")
+
+
 def _compare(model: OuroForCausalLM, config: FlashLoopConfig) -> None:
     """A ragged batch (one prompt past 2 groups: a flushed block; one inside the tail) prefilled
     and decoded for a few steps, each row's logits against its own reference request."""
@@ -57,11 +77,13 @@ def _compare(model: OuroForCausalLM, config: FlashLoopConfig) -> None:
     got = engine.prefill(prompts)
     want = torch.stack([r.prefill(p).logits[-1] for r, p in zip(requests, prompts)]).float()
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL, msg=lambda m: f"prefill: {m}")
+    _check_stored(engine, requests, lengths)
     for step in range(DECODE_STEPS):
         tok = want.argmax(-1)
         got = engine.decode(tok, torch.tensor([n + step for n in lengths]))
         want = torch.stack([r.decode(t[None]).logits[-1] for r, t in zip(requests, tok)]).float()
         torch.testing.assert_close(got.float(), want, rtol=0, atol=ATOL, msg=lambda m: f"decode step {step}: {m}")
+    _check_stored(engine, requests, [n + DECODE_STEPS for n in lengths])
     assert engine.packed.layers[0].flushed[0, 0].item() > 0  # the long row did flush a block
     torch._dynamo.reset()
 
