@@ -147,6 +147,7 @@ class SparseDecodeAttention:
 
 
 _PARAM_DTYPES = ("float16",)
+_GROUP_SIZES = (16, 32, 64, 128)  # the packed kernels tile by a power of two in 16..128
 
 
 @dataclass(frozen=True)
@@ -154,29 +155,35 @@ class KVResidualQuantization:
     """INT4 base for loop 1, INT4 residuals against the reconstructed predecessor for later loops.
 
     group_size: values per affine group (K: one channel across group_size token rows; V: one
-        token across group_size channels). tail: recent tokens kept in BF16; the tail holds
-        tail..tail+group_size-1 tokens after each step and flushes whole groups.
+        token across group_size channels of one head: the model's head_dim must be a multiple).
+    tail: recent tokens kept in BF16; the tail holds tail..tail+group_size-1 tokens after each
+        step and flushes whole groups. The packed cache's ring holds 2 * group_size tokens, so
+        tail equals group_size (None, the default, means group_size).
     """
 
     enabled: bool = False
     bits: int = 4
     group_size: int = 64
     param_dtype: str = "float16"
-    tail: int = 64
+    tail: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
         if self.bits != 4:
             raise ConfigError(f"kv_residual_quantization.bits must be 4 (the packed kernels store INT4), got {self.bits!r}")
-        if self.group_size not in (16, 32, 64, 128):
+        if self.group_size not in _GROUP_SIZES:
             raise ConfigError(f"kv_residual_quantization.group_size must be one of 16, 32, 64, 128, got {self.group_size!r}")
         if self.param_dtype not in _PARAM_DTYPES:
             raise ConfigError(
                 f"kv_residual_quantization.param_dtype must be one of {_PARAM_DTYPES}, got {self.param_dtype!r}"
             )
-        if not isinstance(self.tail, int) or self.tail < self.group_size or self.tail % self.group_size:
+        if self.tail is None:
+            object.__setattr__(self, "tail", self.group_size)
+        if not isinstance(self.tail, int) or isinstance(self.tail, bool) or self.tail != self.group_size:
             raise ConfigError(
-                f"kv_residual_quantization.tail must be a positive multiple of group_size={self.group_size}, got {self.tail!r}"
+                f"kv_residual_quantization.tail must equal group_size={self.group_size} (the packed cache keeps "
+                f"{self.group_size}..{2 * self.group_size - 1} recent tokens and flushes whole groups), got {self.tail!r}: "
+                f"set tail={self.group_size} or leave it out"
             )
 
 
@@ -290,14 +297,26 @@ class FlashLoopConfig:
             raise ConfigError(f"FlashLoop options must be a FlashLoopConfig or a flat dict, got {type(options).__name__}")
         return cls.from_dict(options)
 
-    def resolve(self, num_loops: int, *, forward_loops: int | None = None) -> "FlashLoopConfig":
-        """Check the config against a model with ``num_loops`` loops; returns self.
+    def resolve(self, num_loops: int, *, forward_loops: int | None = None, head_dim: int | None = None) -> "FlashLoopConfig":
+        """Check the config against a model with ``num_loops`` loops (and ``head_dim``, if given); returns self.
 
         ``forward_loops``: a graph that runs fewer loops than the model (``exit_at_step``) is
         checked against what it runs: loops below a feature's start simply stay dense.
         """
-        tsp, sda = self.token_sparse_prefill, self.sparse_decode_attention
+        tsp, sda, kvq = self.token_sparse_prefill, self.sparse_decode_attention, self.kv_residual_quantization
         strict = forward_loops is None
+        if kvq.enabled and strict and num_loops < 2:
+            raise ConfigError(
+                f"kv_residual_quantization needs a looped model (residuals against the previous loop); the model runs "
+                f"{num_loops} loop: turn kv_residual_quantization off"
+            )
+        if kvq.enabled and head_dim is not None and head_dim % kvq.group_size:
+            fits = [g for g in _GROUP_SIZES[::-1] if head_dim % g == 0]
+            hint = f"set kv_residual_quantization.group_size={fits[0]}" if fits else "no group size fits: turn kv_residual_quantization off"
+            raise ConfigError(
+                f"kv_residual_quantization.group_size={kvq.group_size} must divide the model's head_dim={head_dim} (a V "
+                f"group lies within one head): {hint}"
+            )
         if tsp.enabled and (len(tsp.retention) != num_loops if strict else len(tsp.retention) < forward_loops):
             raise ConfigError(
                 f"token_sparse_prefill.retention has {len(tsp.retention)} entries but the model runs {num_loops} loops: "

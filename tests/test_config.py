@@ -130,7 +130,6 @@ def test_dict_round_trip_non_default_params():
             "sparse_decode_attention.key_fraction": [0.2, 0.05],
             "kv_residual_quantization.enabled": True,
             "kv_residual_quantization.group_size": 32,
-            "kv_residual_quantization.tail": 96,
         }
     )
     back = FlashLoopConfig.from_dict(cfg.to_dict())
@@ -138,7 +137,7 @@ def test_dict_round_trip_non_default_params():
     assert back.hash() == cfg.hash()
     assert back.token_sparse_prefill.window == 256
     assert back.sparse_decode_attention.key_fraction == (0.2, 0.05)
-    assert back.kv_residual_quantization.tail == 96
+    assert back.kv_residual_quantization.tail == 32
 
 
 def test_hash_is_deterministic_and_short_hex():
@@ -173,7 +172,6 @@ def test_hash_differs_for_different_configs():
         "token_sparse_prefill.keep_last_token": True,
         "sparse_decode_attention.key_fraction": [0.2],
         "kv_residual_quantization.group_size": 32,
-        "kv_residual_quantization.tail": 128,
     }
     for key, value in variants.items():
         configs.append(FlashLoopConfig.from_dict({**on, key: value}))
@@ -259,7 +257,11 @@ INVALID = [
     ({"kv_residual_quantization.tail": 96}, "kv_residual_quantization.tail"),
     ({"kv_residual_quantization.tail": 32}, "kv_residual_quantization.tail"),
     ({"kv_residual_quantization.tail": 0}, "kv_residual_quantization.tail"),
+    ({"kv_residual_quantization.tail": 128}, "kv_residual_quantization.tail"),
+    ({"kv_residual_quantization.tail": 64.0}, "kv_residual_quantization.tail"),
+    ({"kv_residual_quantization.tail": True}, "kv_residual_quantization.tail"),
     ({"kv_residual_quantization.group_size": 32, "kv_residual_quantization.tail": 48}, "kv_residual_quantization.tail"),
+    ({"kv_residual_quantization.group_size": 16, "kv_residual_quantization.tail": 64}, "kv_residual_quantization.tail"),
     ({"sparse_decode_attention.reference_loop": 3}, "sparse_decode_attention.reference_loop"),
     ({"sparse_decode_attention.reference_loop": 1}, "sparse_decode_attention.reference_loop"),
 ]
@@ -298,12 +300,42 @@ def test_valid_edge_values_accepted():
             "token_sparse_prefill.retention": [1, 1, 1, 1e-6],
             "sparse_decode_attention.key_fraction": [1.0],
             "kv_residual_quantization.group_size": 128,
-            "kv_residual_quantization.tail": 256,
+            "kv_residual_quantization.tail": 128,
         }
     )
     FlashLoopConfig.from_dict({"token_sparse_prefill.retention": [1, 1]})
     for g in (16, 32, 64, 128):
-        FlashLoopConfig.from_dict({"kv_residual_quantization.group_size": g, "kv_residual_quantization.tail": 2 * g})
+        FlashLoopConfig.from_dict({"kv_residual_quantization.group_size": g, "kv_residual_quantization.tail": g})
+
+
+@pytest.mark.parametrize("g", [16, 32, 64, 128])
+def test_tail_follows_group_size(g):
+    # the packed cache's ring flushes whole groups and keeps g..2g-1 tokens: tail is the group size
+    q = FlashLoopConfig.from_dict({"kv_residual_quantization.group_size": g}).kv_residual_quantization
+    assert q.tail == g
+    assert KVResidualQuantization(group_size=g) == KVResidualQuantization(group_size=g, tail=g)
+    assert FlashLoopConfig.from_dict(FlashLoopConfig.from_dict({"kv_residual_quantization.group_size": g}).to_dict()).kv_residual_quantization.tail == g
+    with pytest.raises(ConfigError, match=rf"tail must equal group_size={g}.*set tail={g} or leave it out"):
+        KVResidualQuantization(group_size=g, tail=2 * g)
+
+
+def test_default_hash_keeps_the_resolved_tail():
+    # the default tail (None) resolves to the group size before hashing: the flat dict holds 64
+    assert FlashLoopConfig().to_dict()["kv_residual_quantization.tail"] == 64
+    assert FlashLoopConfig.from_dict({"kv_residual_quantization.tail": 64}).hash() == FlashLoopConfig().hash()
+
+
+def test_resolve_checks_the_model_head_dim_against_the_group_size():
+    on = FlashLoopConfig.from_switches(False, False, True)
+    with pytest.raises(ConfigError, match=r"group_size=64 must divide the model's head_dim=48.*set kv_residual_quantization.group_size=16"):
+        on.resolve(4, head_dim=48)
+    with pytest.raises(ConfigError, match=r"group_size=32 must divide the model's head_dim=8.*no group size fits"):
+        FlashLoopConfig.from_switches(False, False, True, **{"kv_residual_quantization.group_size": 32}).resolve(4, head_dim=8)
+    for head_dim in (64, 128, 192):
+        assert on.resolve(4, head_dim=head_dim) is on
+    assert FlashLoopConfig().resolve(4, head_dim=48) is not None  # quantization off: any head_dim
+    with pytest.raises(ConfigError, match="looped model.*turn kv_residual_quantization off"):
+        on.resolve(1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from flashloop_compile.config import FlashLoopConfig
+from flashloop_compile.passes.graph import shape_of
 from flashloop_compile.passes.recognize import LoopStructure, recognize
 
 __all__ = ["FlashLoopPass", "PassManager", "RewriteReport", "Phase", "graph_phase"]
@@ -180,7 +181,9 @@ class PassManager:
         if not self.config.any_enabled and not self.config.compilation.enabled:
             return RewriteReport(None, None, None)
         structure = recognize(gm)
-        self.config.resolve(structure.num_loops, forward_loops=structure.num_loops)
+        q_shape = shape_of(structure.sites[0].q) if structure.sites else None
+        head_dim = int(q_shape[-1]) if q_shape else None
+        self.config.resolve(structure.num_loops, forward_loops=structure.num_loops, head_dim=head_dim)
         phase = graph_phase(structure)
         active = [p for p in self.passes if p.enabled and p.applies_to(structure)]
         for p in active:

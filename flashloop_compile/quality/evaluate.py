@@ -116,7 +116,7 @@ def _apply_modifier(cfg: FlashLoopConfig, mod: str, num_loops: int) -> FlashLoop
         flat["token_sparse_prefill.keep_last_token"] = value.lower() not in ("0", "false", "off", "no") if value else True
     elif key == "group_size":
         flat["kv_residual_quantization.group_size"] = int(value)
-        flat["kv_residual_quantization.tail"] = max(int(value), flat["kv_residual_quantization.tail"] // int(value) * int(value))
+        flat["kv_residual_quantization.tail"] = int(value)  # the tail equals the group size
     else:
         raise ConfigError(f"unknown modifier {mod!r}: use retention=a/b, key_fraction=f, window=W|global, keep_last[=0|1], group_size=G")
     return FlashLoopConfig.from_dict(flat)

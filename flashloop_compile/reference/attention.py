@@ -24,10 +24,16 @@ def _expand_kv(x: Tensor, n_heads: int) -> Tensor:
     return x.float().repeat_interleave(n_heads // x.shape[1], dim=1)
 
 
+def _softmax_scale(head_dim: int) -> float:
+    """1/sqrt(head_dim) as a factor, as SDPA and every flashloop op apply it: dividing by sqrt(head_dim)
+    rounds differently where it is not a power of two (32, 128), and INT4 codes amplify that ulp."""
+    return 1.0 / math.sqrt(head_dim)
+
+
 def attention_probs(q: Tensor, q_pos: Tensor, k: Tensor, k_pos: Tensor) -> Tensor:
     """Causal softmax probabilities [Tq, Hq, Tk] in FP32."""
     kf = _expand_kv(k, q.shape[1])
-    scores = torch.einsum("qhd,khd->qhk", q.float(), kf) / math.sqrt(q.shape[-1])
+    scores = torch.einsum("qhd,khd->qhk", q.float(), kf) * _softmax_scale(q.shape[-1])
     visible = k_pos[None, None, :] <= q_pos[:, None, None]
     return torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
 
@@ -94,7 +100,7 @@ def correction_attention(q: Tensor, k: Tensor, v: Tensor, state: ReferenceState)
     for qi in range(q.shape[0]):
         for h in range(q.shape[1]):
             s = state.keys[qi, h, : state.count[qi]]
-            p_local = torch.softmax(kf[s, h] @ q[qi, h].float() / math.sqrt(q.shape[-1]), dim=-1)
+            p_local = torch.softmax(kf[s, h] @ q[qi, h].float() * _softmax_scale(q.shape[-1]), dim=-1)
             c_new = state.mass[qi, h] * (p_local @ vf[s, h])
             out[qi, h] = state.o_ref[qi, h] - state.c_ref[qi, h] + c_new
     return out

@@ -56,7 +56,7 @@ class StepRecord:
 class ReferenceFlashLoop:
     def __init__(self, model: OuroForCausalLM, config: FlashLoopConfig | None = None, readout: Readout = LAST) -> None:
         self.model = model
-        self.config = (config or FlashLoopConfig()).resolve(model.config.num_loops)
+        self.config = (config or FlashLoopConfig()).resolve(model.config.num_loops, head_dim=model.config.head_dim)
         self.readout = readout
 
     def request(self) -> "ReferenceRequest":

@@ -86,7 +86,7 @@ class Engine:
         from flashloop_compile.backend import make_backend
 
         self.model = model.eval()
-        self.config = (config or FlashLoopConfig()).resolve(model.config.num_loops)
+        self.config = (config or FlashLoopConfig()).resolve(model.config.num_loops, head_dim=model.config.head_dim)
         self.max_batch, self.max_seq = max_batch, max_seq
         window = self.config.token_sparse_prefill.window
         if prefill_chunk is not None and self.config.token_sparse_prefill.selects:
