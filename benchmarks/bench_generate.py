@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import math
 import statistics
 import sys
@@ -172,7 +173,8 @@ class Bench:
         self.inner = args.inner if args.inner != "auto" else ("inductor" if device() == "cuda" else "eager")
         self.configs = {
             n: FlashLoopConfig.from_dict({**CONFIGS[n], "compilation.outline_layers": args.outline,
-                                          "compilation.position_attention": args.position_attention})
+                                          "compilation.position_attention": args.position_attention,
+                                          **json.loads(args.options)})
             for n in args.configs.split(",")
         }
         self.done: dict[tuple, dict] = {}  # (shape, config) -> row (and its tokens), for the speedups and estimates
@@ -509,6 +511,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", default="dense,all_on", help=f"of {sorted(CONFIGS)}; dense first (speedups refer to it)")
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True,
                     help="compile each distinct layer once (compilation.outline_layers)")
+    ap.add_argument("--options", default="{}", help="JSON object of FlashLoopConfig flat keys laid over every config "
+                    "(e.g. '{\"compilation.fuse_projections\": false}' for an A/B of one option)")
     ap.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill attention masked by position through flashloop.position_attention in every config, "
                          "dense included (compilation.position_attention: exact; dense 1x32K prefill 3343 -> 1593 ms, "
