@@ -82,7 +82,8 @@ def test_seven_linears_per_layer_become_four_gemms_and_tokens_equal_the_referenc
     assert tokens == unfused_tokens
 
 
-def test_features_off_matches_eager_and_changes_only_the_projections(tiny_model):
+def test_features_off_matches_eager_and_changes_only_the_projections():
+    tiny_model = tiny()  # its own model: the session one must keep its caches
     expected = _run(tiny_model, None)
     backend, graphs = _recording(FlashLoopConfig())
     got = _run(tiny_model, backend)
@@ -101,7 +102,8 @@ def test_features_off_matches_eager_and_changes_only_the_projections(tiny_model)
         assert set(extra) == {str(torch.narrow)} and len(extra) == 40
 
 
-def test_outlined_layers_share_artifacts_with_fused_weights_as_segment_inputs(tiny_model):
+def test_outlined_layers_share_artifacts_with_fused_weights_as_segment_inputs():
+    tiny_model = tiny()
     options = {"compilation.outline_layers": True, "sparse_decode_attention.enabled": True}
     expected = _run(tiny_model, make_backend({**options, **UNFUSED}, inner="eager"))
     got = _run(tiny_model, make_backend(options, inner="eager"))
