@@ -2,12 +2,14 @@
 
 ``torch.compile(model, backend="flashloop", options=...)`` with ``options`` the flat dict of
 :class:`FlashLoopConfig` or the config itself. The effective configuration is resolved once per
-compile and logged with its hash. With every feature off the graph is handed to Inductor
-untouched (the result equals ``backend="inductor"``). Otherwise the graph Dynamo captured is
-recognized (:mod:`flashloop_compile.passes.recognize`), the enabled feature passes rewrite it
-into ``flashloop`` ops, and Inductor compiles the result, so norms, projections and MLPs still
-fuse around the ops. Runtime tensors the passes read (step plan, packed cache) become trailing
-graph inputs that the returned callable supplies, the same tensor objects on every call.
+compile and logged with its hash. Unless every feature is off, the graph Dynamo captured is
+recognized (:mod:`flashloop_compile.passes.recognize`) and the enabled feature passes rewrite it
+into ``flashloop`` ops. In every configuration, features off included, linears sharing an input
+then become one GEMM over weights concatenated at compile time
+(:mod:`flashloop_compile.passes.fuse_projections`, exact; ``compilation.fuse_projections``), and
+Inductor compiles the result, so norms, projections and MLPs still fuse around the ops. Runtime
+tensors the passes read (step plan, packed cache, fused weights) become trailing graph inputs that
+the returned callable supplies, the same tensor objects on every call.
 
 Recompiles: the dense model keeps one static cache per (loop, layer) and takes positions as a
 tensor, so a decode graph (one token per row) has the same shapes at every context length and
@@ -24,6 +26,7 @@ from typing import Any
 import torch.fx as fx
 
 from flashloop_compile.config import FlashLoopConfig
+from flashloop_compile.passes.fuse_projections import FusedProjections, fuse_projections
 from flashloop_compile.passes.manager import PassManager, RewriteReport
 
 __all__ = ["flashloop_backend", "make_backend", "last_report"]
@@ -62,9 +65,16 @@ def make_backend(options: Any = None, *, inner: str = "inductor"):
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopConfig, inner: str):
     manager = PassManager(config)
     report = manager.run(gm, example_inputs)
+    fused = fuse_projections(gm, example_inputs) if config.compilation.fuse_projections else FusedProjections()
+    report.fused_linears, report.fused_gemms = fused.linears, fused.gemms
+    manager.cuts = [fused.replaced.get(c, c) for c in manager.cuts]
     log.info("%s; config %s; passes %s", report, config, manager.uuid())
     _reports.append(report)
     del _reports[:-16]
+    return fused.wrap(_compile_rewritten(gm, example_inputs, manager, report, inner))
+
+
+def _compile_rewritten(gm: fx.GraphModule, example_inputs: list[Any], manager: PassManager, report: RewriteReport, inner: str):
     compiler = _eager if inner == "eager" else _inductor
     if manager.cuts:
         from flashloop_compile.passes.outline import outline_segments

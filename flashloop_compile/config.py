@@ -199,10 +199,14 @@ class Compilation:
         tile's last position (passes/position_attention.py). Exact; 1x32K prefill 3343 -> 1593 ms
         (dense), 1862 -> 968 ms (token-sparse) on the H200. Off by default: with every feature off
         the graph stays untouched (docs/DESIGN.md says why).
+    fuse_projections: linears sharing an input (Q/K/V, gate/up) become one GEMM over weights
+        concatenated at compile time (passes/fuse_projections.py). Exact; in every configuration,
+        features off included. Off only to debug or to measure the fusion.
     """
 
     outline_layers: bool = False
     position_attention: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)

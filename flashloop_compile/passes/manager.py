@@ -142,15 +142,19 @@ class RewriteReport:
     phase: Phase | None
     matched: dict[str, int] = field(default_factory=dict)
     segments: dict[str, int] = field(default_factory=dict)  # outlined segments per compiled artifact
+    fused_linears: int = 0  # projection fusion (passes/fuse_projections.py): linears replaced
+    fused_gemms: int = 0  # and the GEMMs that replaced them
 
     def __str__(self) -> str:
+        fusion = f"; {self.fused_linears} linears sharing an input fused into {self.fused_gemms} GEMMs" if self.fused_gemms else ""
         if self.num_loops is None:
-            return "flashloop: all features off; graph handed to inductor untouched"
+            return "flashloop: all features off" + (fusion or "; graph handed to inductor untouched")
         counts = ", ".join(f"{k}={v}" for k, v in self.matched.items()) or "no feature applies"
         text = (
             f"flashloop: {self.phase} graph, R={self.num_loops} x N={self.num_layers}; "
             f"matched {counts}"
         )
+        text += fusion
         if self.segments:
             text += f"; {sum(self.segments.values())} segments compiled as {len(self.segments)} artifacts"
         return text
