@@ -102,6 +102,7 @@ class Engine:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, max_seq={max_seq})")
         self.max_batch, self.max_seq = max_batch, max_seq
         self.progress = progress
+        self._warming = False
         window = self.config.token_sparse_prefill.window
         if prefill_chunk is not None and self.config.token_sparse_prefill.selects:
             if window is None:
@@ -252,6 +253,18 @@ class Engine:
         return static_tok, static_pos
 
     def _capture(self, bucket: int):
+        from flashloop_compile.runtime.progress import COMPILE_HINT, Progress
+
+        # warm_up's bar already says what runs; a bucket first met while serving gets its own
+        bar = Progress(1, f"decode CUDA graph, batch bucket {bucket}", enabled=False if self._warming else self.progress,
+                       leave=False)
+        bar.stage(f"compiling and capturing ({COMPILE_HINT})")
+        try:
+            return self._capture_graph(bucket)
+        finally:
+            bar.close()
+
+    def _capture_graph(self, bucket: int):
         t0 = time.perf_counter()
         static_tok, static_pos = self._capture_inputs(bucket)
         stream = torch.cuda.Stream()
@@ -286,17 +299,21 @@ class Engine:
         prompts = [torch.zeros(prompt_len, dtype=torch.long)] * batch
         decode = "compiling decode" + (f" and capturing its CUDA graph (batch {_bucket(batch, self.buckets) or batch})"
                                        if self.cuda_graphs else "")
-        with Progress(2, f"warm-up ({config_label(self.config)})", enabled=self.progress, leave=False) as bar:
-            if self.packed is not None:
-                self.packed.reset()
-            bar.stage(f"compiling prefill ({COMPILE_HINT})")
-            logits = self.prefill(prompts)
-            bar.advance()
-            bar.stage(decode)
-            self.decode(logits.argmax(-1), torch.full((batch,), prompt_len, device=self.device))
-            bar.advance()
-            if self.packed is not None:
-                self.packed.reset()
+        self._warming = True
+        try:
+            with Progress(2, f"warm-up ({config_label(self.config)})", enabled=self.progress, leave=False) as bar:
+                if self.packed is not None:
+                    self.packed.reset()
+                bar.stage(f"compiling prefill ({COMPILE_HINT})")
+                logits = self.prefill(prompts)
+                bar.advance()
+                bar.stage(decode)
+                self.decode(logits.argmax(-1), torch.full((batch,), prompt_len, device=self.device))
+                bar.advance()
+                if self.packed is not None:
+                    self.packed.reset()
+        finally:
+            self._warming = False
         seconds = time.perf_counter() - t0
         log.info("warm-up (compile%s) took %.1f s", " + capture" if self.cuda_graphs else "", seconds)
         return seconds
