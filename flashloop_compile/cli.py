@@ -612,7 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error_message(e: BaseException) -> str:
-    """The message alone for input errors; the exception's type too for anything else."""
+    """The message alone for input errors; the exception's type too for anything else. A backend
+    error raised inside torch.compile is reported as itself, without Dynamo's wrapper."""
+    inner = getattr(e, "inner_exception", None)  # torch._dynamo.exc.BackendCompilerFailed
+    if isinstance(inner, Exception):
+        e = inner
     if isinstance(e, (CLIError, ValueError, TypeError, FileNotFoundError)) or type(e).__module__.startswith("flashloop_compile"):
         return str(e)
     return f"{type(e).__name__}: {e}"

@@ -245,3 +245,14 @@ def test_main_job_runs_without_triton():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "agreement with dense" in proc.stdout
+
+
+def test_a_backend_error_inside_torch_compile_prints_as_itself():
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from flashloop_compile.cli import _error_message
+    from flashloop_compile.passes.recognize import RecognitionError
+
+    wrapped = BackendCompilerFailed(lambda: None, RecognitionError("no recurrent block: unsupported model"), None)
+    assert _error_message(wrapped) == "no recurrent block: unsupported model"
+    assert _error_message(OSError("disk full")) == "OSError: disk full"
