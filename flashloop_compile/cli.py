@@ -1,36 +1,177 @@
 """``flashloop-compile``: generate, inspect, memory, bench, train, eval, redundancy, calibrate.
 
-``flashloop-compile generate --preset tiny`` is the project's main job on its embedded default:
-it runs dense and FlashLoop on a synthetic prompt and prints the tokens, their agreement and the
-KV bytes of each.
+``flashloop-compile generate`` is the project's main job: the checkpoint shipped with the
+repository (a small looped LM trained on Python stdlib source, byte tokens) continues a piece of
+Python, dense and with FlashLoop, side by side, with their token agreement, KV bytes and time.
+
+Errors print their message and exit with status 1 (``--debug`` shows the traceback); long work
+(compiles, CUDA-graph captures, benchmark items) shows a progress bar on a terminal (``--quiet``
+turns it off).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from flashloop_compile import __version__
 from flashloop_compile.config import FlashLoopConfig
+
+# The trained checkpoint, found relative to the repository this package is imported from (a
+# source checkout or the README's editable install: `pip install -e .`); it is not package data.
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "ouro-stdlib-6x256"
+
+# The main job's prompt: Python the checkpoint has not seen verbatim, in the style it was trained on.
+DEFAULT_PROMPT = '''import os
+
+
+def find_python_files(root):
+    """Return the sorted paths of the Python files under root."""
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames:
+'''
+
+_FEATURES = ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")
+
+
+class CLIError(Exception):
+    """Bad command-line input: the message says what to change."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+# -- model source, dtype and device (the same flags and defaults in every subcommand) ----------------
+
+def _device(args: argparse.Namespace) -> str:
+    if getattr(args, "meta", False):
+        return "meta"
+    return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    """``auto``: float32 for the quality commands (they measure numerics) and on CPU (faster there
+    than BF16), bfloat16 on CUDA; ``memory`` plans a BF16 deployment."""
+    if args.dtype != "auto":
+        return getattr(torch, args.dtype)
+    if args.command == "memory":
+        return torch.bfloat16
+    if args.command in ("eval", "redundancy", "calibrate") or _device(args) in ("cpu", "meta"):
+        return torch.float32
+    return torch.bfloat16
+
+
+def _source(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(checkpoint directory, preset name): exactly one is set."""
+    if args.preset:
+        return None, args.preset
+    if args.checkpoint:
+        return args.checkpoint, None
+    if args.default_source == "checkpoint":
+        if not (DEFAULT_CHECKPOINT / "config.json").is_file():
+            raise CLIError(
+                f"the default checkpoint is not at {DEFAULT_CHECKPOINT}: it ships with the repository "
+                "(checkpoints/ouro-stdlib-6x256) and is found from a source checkout or an editable install "
+                "(pip install -e .); pass --checkpoint DIR or --preset tiny"
+            )
+        return str(DEFAULT_CHECKPOINT), None
+    return None, args.default_source
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    checkpoint, preset = _source(args)
+    if preset:
+        return preset
+    return "ouro-stdlib-6x256 (shipped checkpoint)" if Path(checkpoint) == DEFAULT_CHECKPOINT else checkpoint
 
 
 def _load_model(args: argparse.Namespace):
     from flashloop_compile.models.ouro import OuroForCausalLM
 
-    dtype = getattr(torch, args.dtype)
-    if args.checkpoint:
-        return OuroForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=args.device)
-    return OuroForCausalLM.from_preset(args.preset, dtype=dtype, device=args.device, seed=args.seed)
+    checkpoint, preset = _source(args)
+    dtype, device = _dtype(args), _device(args)
+    if checkpoint:
+        model = OuroForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=device)
+    else:
+        model = OuroForCausalLM.from_preset(preset, dtype=dtype, device=device, seed=args.seed)
+    return model.eval()
+
+
+def _model_config(args: argparse.Namespace):
+    """The model's shape without loading weights."""
+    from flashloop_compile.models.ouro import PRESETS, ModelConfigError, OuroConfig
+
+    checkpoint, preset = _source(args)
+    if preset:
+        if preset not in PRESETS:
+            raise ModelConfigError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
+        return PRESETS[preset]
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise CLIError(f"{path} not found: --checkpoint needs an HF model directory (config.json + safetensors)")
+    try:
+        return OuroConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path} is not valid JSON: {e}") from None
+
+
+def _read_options(text: str, flag: str = "--options") -> FlashLoopConfig:
+    """A flat FlashLoopConfig dict given inline as JSON or as the path of a JSON file (such as the
+    one ``calibrate --out`` writes)."""
+    source, where = text, "the inline JSON"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise CLIError(f"{flag} {text!r} is neither a JSON object nor a file: give a flat JSON dict "
+                           "('{\"kv_residual_quantization.enabled\": true}') or the path of one (calibrate --out writes one)")
+        source, where = path.read_text(), str(path)
+    try:
+        data = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{flag}: {where} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CLIError(f"{flag}: {where} holds a {type(data).__name__}, not a flat JSON dict of FlashLoop options")
+    return FlashLoopConfig.from_dict(data)
 
 
 def _config(args: argparse.Namespace, default_all_on: bool) -> FlashLoopConfig:
     if args.options:
-        return FlashLoopConfig.from_dict(json.loads(args.options))
+        return _read_options(args.options)
     return FlashLoopConfig.all_on() if default_all_on else FlashLoopConfig()
+
+
+def _features(config: FlashLoopConfig) -> str:
+    return " + ".join(g for g in _FEATURES if getattr(config, g).enabled) or "all features off (dense)"
+
+
+def _check_positions(what: str, length: int, limit: int) -> None:
+    if length > limit:
+        raise CLIError(f"{what} is {length} positions, past the model's max_position_embeddings={limit}: shorten it")
 
 
 def _synthetic_prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
@@ -40,81 +181,165 @@ def _synthetic_prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
     return torch.cat([span.repeat(4), torch.randint(0, vocab, (length,), generator=g)])[:length]
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    if args.engine == "compiled":
-        return _generate_compiled(args)
-    from flashloop_compile.reference import ReferenceFlashLoop
+# -- generate ----------------------------------------------------------------------------------------------
 
-    model = _load_model(args).eval()
+def _printable(text: str) -> str:
+    """Control characters (other than newlines) made visible; tabs as four spaces."""
+    return "".join(c if c == "\n" or c.isprintable() else "\N{MIDDLE DOT}" for c in text.replace("\t", "    "))
+
+
+def _text(tokenizer, ids) -> str:
+    return _printable(tokenizer.decode(ids).decode("utf-8", errors="replace"))
+
+
+def _side_by_side(left: tuple[str, str], right: tuple[str, str], width: int) -> list[str]:
+    """Two titled texts in columns, each line hard-wrapped to the column (code keeps its spaces)."""
+    col = max(20, (width - 3) // 2)
+
+    def wrapped(text: str) -> list[str]:
+        out = []
+        for line in text.split("\n"):
+            out += [line[i : i + col] for i in range(0, max(len(line), 1), col)]
+        return out
+
+    a, b = wrapped(left[1]), wrapped(right[1])
+    rows = [f"{left[0]:<{col}} | {right[0]}", f"{'-' * col} | {'-' * col}"]
+    rows += [f"{x:<{col}} | {y}".rstrip() for x, y in zip(a + [""] * (len(b) - len(a)), b + [""] * (len(a) - len(b)))]
+    return rows
+
+
+def _prompt_ids(args: argparse.Namespace, model, tokenizer) -> tuple[torch.Tensor, str]:
+    if args.prompt_len is not None:
+        ids = _synthetic_prompt(model.config.vocab_size, args.prompt_len, args.seed)
+        return ids, f"{args.prompt_len} synthetic tokens (seed {args.seed})"
+    text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    if not text:
+        raise CLIError("--prompt is empty: give some text to continue")
+    ids = torch.tensor(tokenizer.encode(text, bos=True), dtype=torch.long)
+    return ids, f"{len(text.encode())} bytes of text, {len(ids)} tokens"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from flashloop_compile.quality.corpus import ByteTokenizer
+
+    model = _load_model(args)
     config = _config(args, default_all_on=True).resolve(model.config.num_loops)
-    prompt = _synthetic_prompt(model.config.vocab_size, args.prompt_len, args.seed)
-    print(f"model: {args.checkpoint or args.preset} ({model.config.num_hidden_layers} layers x {model.config.num_loops} loops)")
-    print(f"prompt: {args.prompt_len} synthetic tokens, {args.new_tokens} new tokens, greedy")
-    print(f"flashloop: {config}")
-    runs = {}
-    for name, cfg in (("dense", FlashLoopConfig()), ("flashloop", config)):
-        engine = ReferenceFlashLoop(model, cfg)
-        req = engine.request()
-        t0 = time.perf_counter()
-        tok = req.prefill(prompt).logits[-1].argmax()
-        tokens = [int(tok)]
-        for _ in range(args.new_tokens - 1):
-            tok = req.decode(tok[None]).logits[-1].argmax()
-            tokens.append(int(tok))
-        runs[name] = (tokens, req.store.nbytes(), time.perf_counter() - t0)
-    for name, (tokens, _, seconds) in runs.items():
-        print(f"{name:>9} tokens ({seconds:.2f} s): {' '.join(map(str, tokens))}")
-    dense, flash = runs["dense"][0], runs["flashloop"][0]
-    same = sum(a == b for a, b in zip(dense, flash))
-    prefix = next((i for i, (a, b) in enumerate(zip(dense, flash)) if a != b), len(dense))
-    print(f"agreement with dense: {same}/{len(dense)} tokens, identical prefix {prefix}")
-    d_bytes, f_bytes = runs["dense"][1], runs["flashloop"][1]
-    print(
-        f"KV bytes: dense {d_bytes.total:,}; flashloop {f_bytes.total:,} (payload {f_bytes.payload:,}, "
-        f"min/scale {f_bytes.params:,}, maps {f_bytes.maps:,}, tail {f_bytes.tail:,}); ratio {d_bytes.total / max(f_bytes.total, 1):.2f}x"
-    )
+    tokenizer = ByteTokenizer(model.config.vocab_size)
+    prompt, described = _prompt_ids(args, model, tokenizer)
+    _check_positions(f"the prompt ({len(prompt)} tokens) + --new-tokens {args.new_tokens}",
+                     len(prompt) + args.new_tokens, model.config.max_position_embeddings)
+    dtype, device = _dtype(args), _device(args)
+    print(f"model: {_model_name(args)}: {model.config.num_hidden_layers} layers x {model.config.num_loops} loops, "
+          f"{str(dtype).removeprefix('torch.')} on {device}")
+    if args.preset:
+        print(f"note: --preset {args.preset} has random, untrained weights: its text is noise and its agreement "
+              "with dense means nothing (drop --preset for the trained checkpoint)")
+    print(f"flashloop: {_features(config)}  ({config})")
+    print(f"prompt: {described}; {args.new_tokens} new tokens, greedy")
+    if args.prompt_len is None:
+        print("".join(f"  > {line}\n" for line in _text(tokenizer, prompt).rstrip("\n").split("\n")), end="")
+    if args.engine == "compiled":
+        runs = _generate_compiled(args, model, config, prompt)
+    else:
+        runs = _generate_reference(args, model, config, prompt)
+    width = shutil.get_terminal_size((100, 24)).columns
+    (d_name, d), (f_name, f) = runs.items()
+    print()
+    for row in _side_by_side((f"{d_name} ({d['seconds']:.1f} s)", _text(tokenizer, d["tokens"])),
+                             (f"{f_name} ({f['seconds']:.1f} s)", _text(tokenizer, f["tokens"])), min(width, 120)):
+        print(row)
+    print()
+    same = sum(a == b for a, b in zip(d["tokens"], f["tokens"]))
+    prefix = next((i for i, (a, b) in enumerate(zip(d["tokens"], f["tokens"])) if a != b), len(d["tokens"]))
+    print(f"agreement with dense: {same}/{len(d['tokens'])} tokens, identical prefix {prefix}"
+          + ("  (random weights: meaningless)" if args.preset else ""))
+    print(f"KV bytes: {d_name} {d['kv']}; {f_name} {f['kv']}; ratio {d['kv_total'] / max(f['kv_total'], 1):.2f}x")
+    if args.engine == "compiled":
+        print(f"time: {d_name} {d['seconds']:.1f} s, {f_name} {f['seconds']:.1f} s (compiled engine, compile excluded)")
+    else:
+        print(f"time: {d_name} {d['seconds']:.1f} s, {f_name} {f['seconds']:.1f} s (the reference engine: the explicit "
+              "eager FlashLoop shows what it computes, not its speed; --engine compiled times the compiled path)")
     return 0
 
 
-def _generate_compiled(args: argparse.Namespace) -> int:
-    """Dense and FlashLoop through the compiled engine (backend='flashloop'), same prompts."""
+def _generate_reference(args, model, config, prompt) -> dict[str, dict]:
+    """Dense and FlashLoop through the explicit eager reference (no compile: quick on CPU)."""
+    from flashloop_compile.reference import ReferenceFlashLoop
+    from flashloop_compile.runtime.progress import Progress
+
+    runs = {}
+    for name, cfg in (("dense", FlashLoopConfig()), ("flashloop", config)):
+        req = ReferenceFlashLoop(model, cfg).request()
+        with Progress(args.new_tokens, f"{name}: generating", enabled=None if not args.quiet else False,
+                      leave=False, unit="token") as bar:
+            t0 = time.perf_counter()
+            tok = req.prefill(prompt.to(model.lm_head.weight.device)).logits[-1].argmax()
+            tokens = [int(tok)]
+            bar.advance()
+            for _ in range(args.new_tokens - 1):
+                tok = req.decode(tok[None]).logits[-1].argmax()
+                tokens.append(int(tok))
+                bar.advance()
+            seconds = time.perf_counter() - t0
+        b = req.store.nbytes()
+        kv = f"{b.total:,}" if name == "dense" else (
+            f"{b.total:,} (payload {b.payload:,}, min/scale {b.params:,}, maps {b.maps:,}, tail {b.tail:,})")
+        runs[name] = {"tokens": tokens, "seconds": seconds, "kv": kv, "kv_total": b.total}
+    return runs
+
+
+def _generate_compiled(args, model, config, prompt) -> dict[str, dict]:
+    """Dense and FlashLoop through the compiled engine (backend='flashloop'), the same prompts."""
     from flashloop_compile.runtime.engine import Engine
 
-    model = _load_model(args).eval()
-    config = _config(args, default_all_on=True).resolve(model.config.num_loops)
-    prompts = [_synthetic_prompt(model.config.vocab_size, args.prompt_len - 7 * i, args.seed + i) for i in range(args.batch)]
-    max_seq = -(-(args.prompt_len + args.new_tokens) // 64) * 64 + 64
-    print(f"model: {args.checkpoint or args.preset}; {args.batch} prompts of ~{args.prompt_len} tokens, {args.new_tokens} new")
+    prompts = [prompt[: max(1, len(prompt) - 7 * i)] for i in range(args.batch)]
+    max_seq = min(-(-(len(prompt) + args.new_tokens) // 64) * 64 + 64, model.config.max_position_embeddings)
     runs = {}
     for name, cfg in (("dense", FlashLoopConfig()), ("flashloop", config)):
         torch._dynamo.reset()
-        engine = Engine(model, cfg, max_batch=args.batch, max_seq=max_seq, max_new_tokens=args.new_tokens)
-        engine.generate(prompts, 2)  # compile and capture outside the timing
+        engine = Engine(model, cfg, max_batch=args.batch, max_seq=max_seq, max_new_tokens=args.new_tokens,
+                        progress=False if args.quiet else None)
+        engine.warm_up(len(prompt), args.batch)  # compile and capture outside the timing
         t0 = time.perf_counter()
         result = engine.generate(prompts, args.new_tokens)
         seconds = time.perf_counter() - t0
-        runs[name] = result
         toks = sum(len(t) for t in result.tokens)
-        print(f"{name:>9}: TTFT {result.prefill_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.2f} ms, "
-              f"{toks / seconds:.1f} tokens/s; {'; '.join(engine.memory().lines())}")
-    same = sum(a == b for x, y in zip(runs["dense"].tokens, runs["flashloop"].tokens) for a, b in zip(x, y))
-    total = sum(len(x) for x in runs["dense"].tokens)
-    print(f"agreement with dense: {same}/{total} tokens")
-    return 0
+        print(f"{name:>9}: TTFT {result.prefill_s * 1e3:.1f} ms, TPOT {result.tpot_s * 1e3:.2f} ms, {toks / seconds:.1f} tokens/s")
+        mem = engine.memory()
+        runs[name] = {"tokens": result.tokens[0], "seconds": seconds, "kv": f"{mem.bytes:,}", "kv_total": mem.bytes}
+    return runs
+
+
+# -- memory ------------------------------------------------------------------------------------------------
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def _kv_lines(km, dtype: torch.dtype) -> list[str]:
+    """KV accounting in words: the packed cache is 'smaller' or 'larger' than the dense one."""
+    name = str(dtype).removeprefix("torch.")
+    out = [f"dense {name} KV: {_gib(km.dense_bytes)}"]
+    if km.packed:
+        p = km.packed
+        ratio = km.dense_bytes / p["total"]
+        size = f"{ratio:.2f}x smaller" if ratio >= 1 else f"{1 / ratio:.2f}x larger"
+        out.append(f"packed KV: {_gib(p['total'])} (payload {_gib(p['payload'])}, min/scale {_gib(p['params'])}, "
+                   f"maps {p['maps'] / 2**20:.1f} MiB, tails {p['tails'] / 2**20:.1f} MiB): {size} than dense")
+    if km.scratch:
+        out.append(f"decode scratch (one layer's working buffers, not cache): {km.scratch / 2**20:.1f} MiB")
+    return out
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
     """KV bytes per request and the largest batch that fits, dense vs each configuration."""
-    from flashloop_compile.models.ouro import PRESETS, OuroConfig
     from flashloop_compile.runtime.memory import kv_memory, max_batch_for
 
-    if args.checkpoint:
-        import json as _json
-        from pathlib import Path
-
-        mcfg = OuroConfig.from_dict(_json.loads((Path(args.checkpoint) / "config.json").read_text()))
-    else:
-        mcfg = PRESETS[args.preset]
+    mcfg = _model_config(args)
+    _check_positions(f"--context {args.context} + --new-tokens {args.new_tokens}", args.context + args.new_tokens,
+                     mcfg.max_position_embeddings)
+    dtype = _dtype(args)
+    elem = torch.finfo(dtype).bits // 8
     n_params = (
         mcfg.vocab_size * mcfg.hidden_size * (1 if mcfg.tie_word_embeddings else 2)
         + mcfg.num_hidden_layers * (
@@ -122,68 +347,96 @@ def cmd_memory(args: argparse.Namespace) -> int:
             + 3 * mcfg.hidden_size * mcfg.intermediate_size + 4 * mcfg.hidden_size
         )
     )
-    weights = n_params * 2
-    budget = args.budget_gb * 2**30
+    weights = n_params * elem
+    budget, reserve = args.budget_gb * 2**30, args.reserve_gb * 2**30
+    if budget < weights + reserve:
+        raise CLIError(f"--budget-gb {args.budget_gb} leaves nothing for the KV cache: the weights take "
+                       f"{weights / 2**30:.2f} GiB and --reserve-gb {args.reserve_gb}; give a larger budget or a smaller reserve")
     configs = {"dense": FlashLoopConfig(), "quant": FlashLoopConfig.from_switches(False, False, True),
                "all_on": FlashLoopConfig.all_on()}
     if args.options:
         configs["options"] = _config(args, default_all_on=True)
+    name = str(dtype).removeprefix("torch.")
     print(f"{'config':>8} {'KV/request GiB':>15} {'ratio':>6} {'max batch':>10} {'scratch/request GiB':>20}   (context {args.context}, "
-          f"{args.new_tokens} new tokens, budget {args.budget_gb} GiB, BF16 weights {weights / 2**30:.2f} GiB)")
-    for name, cfg in configs.items():
-        km = kv_memory(mcfg, cfg, 1, args.context, max_new_tokens=args.new_tokens)
+          f"{args.new_tokens} new tokens, budget {args.budget_gb} GiB, {name} weights {weights / 2**30:.2f} GiB, reserve {args.reserve_gb} GiB)")
+    too_big = []
+    for cname, cfg in configs.items():
+        km = kv_memory(mcfg, cfg, 1, args.context, max_new_tokens=args.new_tokens, dtype=dtype)
         mb = max_batch_for(mcfg, cfg, args.context, budget, weight_bytes=weights, max_new_tokens=args.new_tokens,
-                           reserve_bytes=args.reserve_gb * 2**30)
-        print(f"{name:>8} {km.bytes / 2**30:>15.3f} {km.ratio:>6.2f} {mb:>10} {km.scratch / 2**30:>20.3f}")
+                           reserve_bytes=reserve)
+        print(f"{cname:>8} {km.bytes / 2**30:>15.3f} {km.ratio:>6.2f} {mb:>10} {km.scratch / 2**30:>20.3f}")
+        if mb == 0:
+            too_big.append(f"{cname} needs {(km.bytes + km.scratch) / 2**30:.3f} GiB per request")
+    if too_big:
+        print(f"max batch 0: {'; '.join(too_big)}, but only {(budget - weights - reserve) / 2**30:.3f} GiB is left "
+              "after the weights and the reserve")
     return 0
 
 
+# -- bench -------------------------------------------------------------------------------------------------
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Prefill / decode / end-to-end grid through the engine: dense, each feature, all on."""
-    import json as _json
-
     from flashloop_compile.backend import make_backend
     from flashloop_compile.runtime.engine import Engine
+    from flashloop_compile.runtime.progress import Progress
 
-    model = _load_model(args).eval()
-    names = args.configs.split(",")
     grid = {
         "dense": {}, "token_sparse": {"token_sparse_prefill.enabled": True},
         "sparse_decode": {"sparse_decode_attention.enabled": True}, "quant": {"kv_residual_quantization.enabled": True},
-        "all_on": {f"{g}.enabled": True for g in ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")},
+        "all_on": {f"{g}.enabled": True for g in _FEATURES},
     }
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in grid]
+    if unknown or not names:
+        raise CLIError(f"--configs: unknown {unknown or 'empty list'}; choose from {', '.join(grid)}")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise CLIError(f"--contexts and --batches take comma-separated integers, got {args.contexts!r} and {args.batches!r}") from None
+    if min(contexts) < 1 or min(batches) < 1:
+        raise CLIError("--contexts and --batches must be positive")
+    model = _load_model(args)
+    limit = model.config.max_position_embeddings
+    for context in contexts:
+        _check_positions(f"--contexts {context} + --new-tokens {args.new_tokens} (rounded up to whole 64s)",
+                         -(-(context + args.new_tokens) // 64) * 64 + 64, limit)
     rows = []
-    for context in map(int, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            for name in names:
-                cfg = FlashLoopConfig.from_dict({**grid[name], "compilation.outline_layers": args.outline,
-                                                 "compilation.position_attention": args.position_attention})
-                prompts = [_synthetic_prompt(model.config.vocab_size, context, args.seed + i) for i in range(batch)]
-                max_seq = -(-(context + args.new_tokens) // 64) * 64 + 64
-                torch._dynamo.reset()
-                engine = Engine(model, cfg, max_batch=batch, max_seq=max_seq, max_new_tokens=args.new_tokens,
-                                backend=make_backend(cfg, inner=args.inner))
-                engine.generate(prompts, 2)  # compile + capture
-                if model.lm_head.weight.is_cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                result = engine.generate(prompts, args.new_tokens)
-                seconds = time.perf_counter() - t0
-                mem = engine.memory()
-                row = {
-                    "config": name, "config_hash": cfg.hash(), "options": cfg.to_dict(),
-                    "context": context, "batch": batch, "new_tokens": args.new_tokens,
-                    "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
-                    "throughput_tok_s": sum(len(t) for t in result.tokens) / seconds,
-                    "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "graphs": result.graphs,
-                    "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if model.lm_head.weight.is_cuda else None,
-                }
-                rows.append(row)
-                print(f"{name:>13} ctx {context:>6} b {batch:>3}: TTFT {row['ttft_ms']:8.1f} ms  TPOT {row['tpot_ms']:7.2f} ms  "
-                      f"{row['throughput_tok_s']:8.1f} tok/s  KV {mem.bytes / 2**20:9.1f} MiB ({mem.ratio:.2f}x)", flush=True)
+    items = [(c, b, n) for c in contexts for b in batches for n in names]
+    with Progress(len(items), "bench", enabled=False if args.quiet else None, eta=True, unit="item") as bar:
+        for context, batch, name in items:
+            cfg = FlashLoopConfig.from_dict({**grid[name], "compilation.outline_layers": args.outline,
+                                             "compilation.position_attention": args.position_attention})
+            prompts = [_synthetic_prompt(model.config.vocab_size, context, args.seed + i) for i in range(batch)]
+            max_seq = -(-(context + args.new_tokens) // 64) * 64 + 64
+            torch._dynamo.reset()
+            engine = Engine(model, cfg, max_batch=batch, max_seq=max_seq, max_new_tokens=args.new_tokens,
+                            backend=make_backend(cfg, inner=args.inner), progress=False if args.quiet else None)
+            bar.stage(f"{name} ctx {context} b {batch}: compiling")
+            engine.warm_up(context, batch)
+            bar.stage(f"{name} ctx {context} b {batch}: timing {args.new_tokens} tokens")
+            if model.lm_head.weight.is_cuda:
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            result = engine.generate(prompts, args.new_tokens)
+            seconds = time.perf_counter() - t0
+            mem = engine.memory()
+            row = {
+                "config": name, "config_hash": cfg.hash(), "options": cfg.to_dict(),
+                "context": context, "batch": batch, "new_tokens": args.new_tokens,
+                "ttft_ms": result.prefill_s * 1e3, "tpot_ms": result.tpot_s * 1e3,
+                "throughput_tok_s": sum(len(t) for t in result.tokens) / seconds,
+                "kv_bytes": mem.bytes, "kv_ratio": mem.ratio, "graphs": result.graphs,
+                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if model.lm_head.weight.is_cuda else None,
+            }
+            rows.append(row)
+            bar.write(f"{name:>13} ctx {context:>6} b {batch:>3}: TTFT {row['ttft_ms']:8.1f} ms  TPOT {row['tpot_ms']:7.2f} ms  "
+                      f"{row['throughput_tok_s']:8.1f} tok/s  KV {mem.bytes / 2**20:9.1f} MiB ({mem.ratio:.2f}x)")
+            bar.advance()
     if args.json:
         with open(args.json, "w") as f:
-            _json.dump(rows, f, indent=2)
+            json.dump(rows, f, indent=2)
     if args.plot:
         _plot(rows, args.plot)
     return 0
@@ -214,6 +467,8 @@ def _plot(rows: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+# -- inspect -----------------------------------------------------------------------------------------------
+
 def capture_graphs(model, batch: int, prompt_len: int, max_seq: int) -> dict[str, "torch.fx.GraphModule"]:
     """Dynamo graphs of a prefill (batch x prompt_len) and a decode step (batch x 1)."""
     captured: dict[str, torch.fx.GraphModule] = {}
@@ -238,18 +493,20 @@ def capture_graphs(model, batch: int, prompt_len: int, max_seq: int) -> dict[str
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from flashloop_compile.models.ouro import OuroForCausalLM
     from flashloop_compile.passes import PassManager, recognize
-
-    if args.checkpoint:
-        model = OuroForCausalLM.from_pretrained(args.checkpoint, device="meta" if args.meta else "cpu")
-    else:
-        model = OuroForCausalLM.from_preset(args.preset, device="meta" if args.meta else "cpu")
-    config = _config(args, default_all_on=True).resolve(model.config.num_loops)
-    print(f"model: {args.checkpoint or args.preset}; flashloop: {config}")
     from flashloop_compile.runtime.memory import kv_memory
 
-    for line in kv_memory(model.config, config, args.batch, args.max_seq).lines():
+    if args.meta is None:  # trace on the meta device for the large presets (no weights allocated)
+        args.meta = bool(args.preset and args.preset != "tiny")
+    mcfg = _model_config(args)
+    _check_positions(f"--max-seq {args.max_seq}", args.max_seq, mcfg.max_position_embeddings)
+    if args.prompt_len >= args.max_seq:
+        raise CLIError(f"--prompt-len {args.prompt_len} must be below --max-seq {args.max_seq} (the decode step follows it)")
+    model = _load_model(args)
+    config = _config(args, default_all_on=True).resolve(model.config.num_loops)
+    dtype = _dtype(args)
+    print(f"model: {_model_name(args)}, {str(dtype).removeprefix('torch.')} on {_device(args)}; flashloop: {config}")
+    for line in _kv_lines(kv_memory(model.config, config, args.batch, args.max_seq, dtype=dtype), dtype):
         print(f"KV cache (batch {args.batch} x {args.max_seq} positions): {line}")
     manager = PassManager(config)
     for phase, gm in capture_graphs(model, args.batch, args.prompt_len, args.max_seq).items():
@@ -262,42 +519,75 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- parser and entry point ----------------------------------------------------------------------------------
+
+def _common(top_level: bool) -> argparse.ArgumentParser:
+    """--debug / --quiet, accepted before and after the subcommand."""
+    p = argparse.ArgumentParser(add_help=False)
+    default = False if top_level else argparse.SUPPRESS
+    p.add_argument("--debug", action="store_true", default=default, help="on an error, show the full traceback")
+    p.add_argument("-q", "--quiet", action="store_true", default=default, help="no progress bars")
+    return p
+
+
+def model_args(sp: argparse.ArgumentParser, default_source: str = "tiny", options: bool = True) -> None:
+    """The model source, dtype and device flags; the same defaults in every subcommand."""
+    src = sp.add_mutually_exclusive_group()
+    if default_source == "checkpoint":
+        preset_help = "random-init (untrained) model shape: tiny, ouro-1.4b, ouro-2.6b (default: the shipped checkpoint)"
+        ckpt_help = f"HF-layout model directory (config.json + safetensors); default {DEFAULT_CHECKPOINT}"
+    else:
+        preset_help = f"random-init (untrained) model shape: tiny, ouro-1.4b, ouro-2.6b (default {default_source})"
+        ckpt_help = "HF-layout model directory (config.json + safetensors)"
+    src.add_argument("--preset", help=preset_help)
+    src.add_argument("--checkpoint", help=ckpt_help)
+    sp.set_defaults(default_source=default_source)
+    sp.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto (default): float32 on CPU, bfloat16 on CUDA; float32 for eval / redundancy / calibrate; "
+                         "bfloat16 for memory")
+    sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda when available)")
+    sp.add_argument("--seed", type=int, default=0, help="random weights of a preset, synthetic prompts")
+    if options:
+        sp.add_argument("--options", help="FlashLoopConfig as a flat JSON dict, inline or a file such as calibrate --out "
+                                          "writes (default: every feature on)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flashloop-compile", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="flashloop-compile", description=__doc__.split("\n\n")[1].replace("\n", " "),
+                                parents=[_common(True)])
+    p.add_argument("--version", action="version", version=f"flashloop-compile {__version__} (torch {torch.__version__})")
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    common = _common(False)
 
-    def model_args(sp: argparse.ArgumentParser) -> None:
-        src = sp.add_mutually_exclusive_group()
-        src.add_argument("--preset", default="tiny", help="random-init model shape: tiny, ouro-1.4b, ouro-2.6b")
-        src.add_argument("--checkpoint", help="HF-layout model directory (config.json + safetensors)")
-        sp.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-        sp.add_argument("--device", default="cpu")
-        sp.add_argument("--seed", type=int, default=0)
-        sp.add_argument("--options", help="FlashLoopConfig as a flat JSON dict (default: every feature on)")
-
-    g = sub.add_parser("generate", help="dense vs FlashLoop greedy generation on a synthetic prompt")
-    model_args(g)
-    g.add_argument("--prompt-len", type=int, default=320)
-    g.add_argument("--new-tokens", type=int, default=24)
+    g = sub.add_parser("generate", parents=[common],
+                       help="dense vs FlashLoop greedy generation, side by side (default: the shipped checkpoint)")
+    model_args(g, default_source="checkpoint")
+    text = g.add_mutually_exclusive_group()
+    text.add_argument("--prompt", help="text to continue (default: a piece of Python)")
+    text.add_argument("--prompt-len", type=_positive_int, help="a synthetic prompt of this many random tokens instead of text")
+    g.add_argument("--new-tokens", type=_positive_int, default=32)
     g.add_argument("--engine", choices=["reference", "compiled"], default="reference",
-                   help="reference: the explicit eager FlashLoop (fast on CPU); compiled: backend='flashloop' + CUDA graphs")
-    g.add_argument("--batch", type=int, default=1, help="prompts per batch (compiled engine)")
+                   help="reference (default): the explicit eager FlashLoop, no compile; compiled: backend='flashloop' "
+                        "(+ CUDA graphs on a GPU), compiled first (minutes on CPU)")
+    g.add_argument("--batch", type=_positive_int, default=1, help="prompts per batch (compiled engine)")
     g.set_defaults(func=cmd_generate)
 
-    m = sub.add_parser("memory", help="KV bytes per request and the largest batch that fits a budget, per configuration")
-    model_args(m)
-    m.add_argument("--context", type=int, default=32768)
-    m.add_argument("--new-tokens", type=int, default=256)
-    m.add_argument("--budget-gb", type=float, default=139.0)
+    m = sub.add_parser("memory", parents=[common],
+                       help="KV bytes per request and the largest batch that fits a budget, per configuration")
+    model_args(m, default_source="ouro-1.4b")
+    m.add_argument("--context", type=_positive_int, default=32768)
+    m.add_argument("--new-tokens", type=_positive_int, default=256)
+    m.add_argument("--budget-gb", type=_positive_float, default=139.0)
     m.add_argument("--reserve-gb", type=float, default=8.0, help="activations (decode scratch is counted per request)")
     m.set_defaults(func=cmd_memory)
 
-    b = sub.add_parser("bench", help="prefill / decode / end-to-end grid: dense, each feature, all on (same run)")
-    model_args(b)
+    b = sub.add_parser("bench", parents=[common],
+                       help="prefill / decode / end-to-end grid: dense, each feature, all on (same run)")
+    model_args(b, options=False)
     b.add_argument("--configs", default="dense,token_sparse,sparse_decode,quant,all_on")
     b.add_argument("--contexts", default="192,320")
     b.add_argument("--batches", default="1,2")
-    b.add_argument("--new-tokens", type=int, default=16)
+    b.add_argument("--new-tokens", type=_positive_int, default=16)
     b.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
                    help="compile the rewritten graph with inductor, or run it eagerly (quick CPU runs)")
     b.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True, help="compile each distinct layer once")
@@ -308,16 +598,43 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", help="PNG of TTFT, TPOT and KV memory against context")
     b.set_defaults(func=cmd_bench)
 
-    i = sub.add_parser("inspect", help="print the recognized loop structure and the rewrites each enabled feature makes")
+    i = sub.add_parser("inspect", parents=[common],
+                       help="print the recognized loop structure and the rewrites each enabled feature makes")
     model_args(i)
-    i.add_argument("--batch", type=int, default=2)
-    i.add_argument("--prompt-len", type=int, default=16)
-    i.add_argument("--max-seq", type=int, default=128)
+    i.add_argument("--batch", type=_positive_int, default=2)
+    i.add_argument("--prompt-len", type=_positive_int, default=16)
+    i.add_argument("--max-seq", type=_positive_int, default=128)
     i.add_argument("--meta", action=argparse.BooleanOptionalAction, default=None,
-                   help="trace on the meta device (no weights allocated; default for non-tiny presets)")
+                   help="trace on the meta device (no weights allocated; default for the presets other than tiny)")
     i.set_defaults(func=cmd_inspect)
-    _add_quality_commands(sub)
+    _add_quality_commands(sub, common)
     return p
+
+
+def _error_message(e: BaseException) -> str:
+    """The message alone for input errors; the exception's type too for anything else. A backend
+    error raised inside torch.compile is reported as itself, without Dynamo's wrapper."""
+    inner = getattr(e, "inner_exception", None)  # torch._dynamo.exc.BackendCompilerFailed
+    if isinstance(inner, Exception):
+        e = inner
+    if isinstance(e, (CLIError, ValueError, TypeError, FileNotFoundError)) or type(e).__module__.startswith("flashloop_compile"):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"flashloop-compile {args.command}: error: {_error_message(e)}", file=sys.stderr)
+        print("(run with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 # -- quality: train, eval, redundancy, calibrate (flashloop_compile/quality; docs/QUALITY.md) -------------
@@ -328,14 +645,7 @@ def _quality_device(name: str) -> str:
 
 
 def _quality_model(args: argparse.Namespace):
-    from flashloop_compile.models.ouro import OuroForCausalLM
-
-    device, dtype = _quality_device(args.device), getattr(torch, args.dtype)
-    if args.checkpoint:
-        model = OuroForCausalLM.from_pretrained(args.checkpoint, dtype=dtype, device=device)
-    else:
-        model = OuroForCausalLM.from_preset(args.preset, dtype=dtype, device=device, seed=args.seed)
-    return model.eval(), args.checkpoint or args.preset
+    return _load_model(args), _model_name(args)
 
 
 def _quality_corpus(args: argparse.Namespace):
@@ -374,7 +684,7 @@ def _train_command(args: argparse.Namespace) -> str:
 
     parts = ["python3", "-m", "flashloop_compile.cli", "train"]
     for key, value in vars(args).items():
-        if key in ("func", "command") or value is None:
+        if key in ("func", "command", "debug", "quiet", "default_source") or value is None:
             continue
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
@@ -447,7 +757,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from flashloop_compile.quality.corpus import ByteTokenizer
 
     model, name = _quality_model(args)
-    base = FlashLoopConfig.from_dict(json.loads(args.base)) if args.base else FlashLoopConfig.all_on()
+    base = _read_options(args.base, "--base") if args.base else FlashLoopConfig.all_on()
     seqs = _quality_corpus(args).sequences(args.split, args.seqs, args.seq_len, ByteTokenizer(model.config.vocab_size))
     result = calibrate(model, seqs, args.threshold, base=base, per_loop_key_fraction=args.per_loop_key_fraction,
                        strict=args.strict)
@@ -460,14 +770,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_quality_commands(sub) -> None:
+def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
     def source(sp: argparse.ArgumentParser) -> None:
-        src = sp.add_mutually_exclusive_group()
-        src.add_argument("--preset", default="tiny", help="random-init model shape (default tiny)")
-        src.add_argument("--checkpoint", help="HF-layout model directory (config.json + model.safetensors)")
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        sp.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-        sp.add_argument("--seed", type=int, default=0)
+        model_args(sp, default_source="tiny", options=False)
 
     def corpus(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--corpus-root", help="directory of *.py documents (default: this interpreter's stdlib)")
@@ -477,7 +782,7 @@ def _add_quality_commands(sub) -> None:
         sp.add_argument("--json", help="write the full results as JSON here")
         sp.add_argument("--markdown", help="write the markdown tables here")
 
-    t = sub.add_parser("train", help="train a small Ouro model from scratch on the stdlib source (byte level)")
+    t = sub.add_parser("train", parents=[common], help="train a small Ouro model from scratch on the stdlib source (byte level)")
     t.add_argument("--out", required=True, help="checkpoint directory (HF layout + train_log.txt + command.txt)")
     t.add_argument("--seconds", type=float, default=300.0, help="training time budget (the LR schedule spans it)")
     t.add_argument("--max-steps", type=int, default=None)
@@ -506,7 +811,7 @@ def _add_quality_commands(sub) -> None:
     corpus(t)
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="held-out perplexity and needle retrieval per FlashLoop config vs dense, with CIs")
+    e = sub.add_parser("eval", parents=[common], help="held-out perplexity and needle retrieval per FlashLoop config vs dense, with CIs")
     source(e)
     corpus(e)
     e.add_argument("--configs", nargs="+", default=["default"],
@@ -523,7 +828,7 @@ def _add_quality_commands(sub) -> None:
     outputs(e)
     e.set_defaults(func=cmd_eval)
 
-    r = sub.add_parser("redundancy", help="the paper's redundancy findings measured on a model (dense trajectory)")
+    r = sub.add_parser("redundancy", parents=[common], help="the paper's redundancy findings measured on a model (dense trajectory)")
     source(r)
     corpus(r)
     r.add_argument("--seqs", type=int, default=8)
@@ -535,26 +840,19 @@ def _add_quality_commands(sub) -> None:
     outputs(r)
     r.set_defaults(func=cmd_redundancy)
 
-    c = sub.add_parser("calibrate", help="derive retention and key fraction from calibration sequences and an error threshold")
+    c = sub.add_parser("calibrate", parents=[common], help="derive retention and key fraction from calibration sequences and an error threshold")
     source(c)
     corpus(c)
     c.add_argument("--seqs", type=int, default=16)
     c.add_argument("--seq-len", type=int, default=1024)
     c.add_argument("--split", default="train", choices=["heldout", "train"])
     c.add_argument("--threshold", type=float, default=0.05)
-    c.add_argument("--base", help="base FlashLoopConfig as flat JSON (default: every feature on)")
+    c.add_argument("--base", help="base FlashLoopConfig as a flat JSON dict, inline or a file (default: every feature on)")
     c.add_argument("--per-loop-key-fraction", action="store_true")
     c.add_argument("--strict", action="store_true", help="raise retentions until the end-to-end state error is below the threshold too")
     c.add_argument("--out", help="write the calibrated FlashLoopConfig (flat dict) here")
     outputs(c)
     c.set_defaults(func=cmd_calibrate)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "meta", False) is None:
-        args.meta = bool(args.checkpoint is None and args.preset != "tiny")
-    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,15 @@ backend (prefill with a dynamic token dimension, so prompt lengths do not recomp
 step plan (which rows are real, where prompts end) before every forward, and replays decode from
 CUDA graphs keyed by (phase, batch bucket, config hash). A batch larger than the last bucket runs
 the same compiled code without a graph and says so; it never falls back to dense.
+
+``engine.warm_up(prompt_len)`` compiles (and on CUDA captures) ahead of the first request, with a
+progress bar on a terminal (``progress=``).
 """
 
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -82,12 +86,23 @@ class Engine:
         cuda_graphs: bool | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         backend: Any = None,
+        progress: bool | None = None,
     ) -> None:
         from flashloop_compile.backend import make_backend
 
         self.model = model.eval()
         self.config = (config or FlashLoopConfig()).resolve(model.config.num_loops, head_dim=model.config.head_dim)
+        limit = model.config.max_position_embeddings
+        if max_batch < 1 or max_seq < 2:
+            raise ValueError(f"an engine needs max_batch >= 1 and max_seq >= 2, got max_batch={max_batch}, max_seq={max_seq}")
+        if max_seq > limit:
+            raise ValueError(f"max_seq={max_seq} exceeds the model's max_position_embeddings={limit}: "
+                             f"give max_seq <= {limit} (prompt + new tokens)")
+        if max_new_tokens is not None and not 1 <= max_new_tokens < max_seq:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be in [1, max_seq={max_seq})")
         self.max_batch, self.max_seq = max_batch, max_seq
+        self.progress = progress
+        self._warming = False
         window = self.config.token_sparse_prefill.window
         if prefill_chunk is not None and self.config.token_sparse_prefill.selects:
             if window is None:
@@ -166,6 +181,7 @@ class Engine:
 
     def prefill(self, prompts: list[Tensor]) -> Tensor:
         """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V]."""
+        prompts = [_token_ids(p, i, self.model.config.vocab_size) for i, p in enumerate(prompts)]
         b = len(prompts)
         lengths = [len(p) for p in prompts]
         t = max(lengths)
@@ -237,6 +253,18 @@ class Engine:
         return static_tok, static_pos
 
     def _capture(self, bucket: int):
+        from flashloop_compile.runtime.progress import COMPILE_HINT, Progress
+
+        # warm_up's bar already says what runs; a bucket first met while serving gets its own
+        bar = Progress(1, f"decode CUDA graph, batch bucket {bucket}", enabled=False if self._warming else self.progress,
+                       leave=False)
+        bar.stage(f"compiling and capturing ({COMPILE_HINT})")
+        try:
+            return self._capture_graph(bucket)
+        finally:
+            bar.close()
+
+    def _capture_graph(self, bucket: int):
         t0 = time.perf_counter()
         static_tok, static_pos = self._capture_inputs(bucket)
         stream = torch.cuda.Stream()
@@ -256,6 +284,40 @@ class Engine:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
+    # -- warm-up ----------------------------------------------------------------------------------
+    def warm_up(self, prompt_len: int, batch: int | None = None) -> float:
+        """Compile prefill and decode (and capture the decode graph of ``batch``'s bucket on CUDA)
+        before the first request, showing a progress bar; the seconds it took. Prefill is compiled
+        with a dynamic token dimension, so other prompt lengths reuse it."""
+        from flashloop_compile.runtime.progress import COMPILE_HINT, Progress
+
+        batch = batch or self.max_batch
+        if not 1 <= prompt_len < self.max_seq or not 1 <= batch <= self.max_batch:
+            raise ValueError(f"warm_up needs 1 <= prompt_len < max_seq={self.max_seq} and 1 <= batch <= "
+                             f"max_batch={self.max_batch}, got prompt_len={prompt_len}, batch={batch}")
+        t0 = time.perf_counter()
+        prompts = [torch.zeros(prompt_len, dtype=torch.long)] * batch
+        decode = "compiling decode" + (f" and capturing its CUDA graph (batch {_bucket(batch, self.buckets) or batch})"
+                                       if self.cuda_graphs else "")
+        self._warming = True
+        try:
+            with Progress(2, f"warm-up ({config_label(self.config)})", enabled=self.progress, leave=False) as bar:
+                if self.packed is not None:
+                    self.packed.reset()
+                bar.stage(f"compiling prefill ({COMPILE_HINT})")
+                logits = self.prefill(prompts)
+                bar.advance()
+                bar.stage(decode)
+                self.decode(logits.argmax(-1), torch.full((batch,), prompt_len, device=self.device))
+                bar.advance()
+                if self.packed is not None:
+                    self.packed.reset()
+        finally:
+            self._warming = False
+        seconds = time.perf_counter() - t0
+        log.info("warm-up (compile%s) took %.1f s", " + capture" if self.cuda_graphs else "", seconds)
+        return seconds
+
     # -- generation -------------------------------------------------------------------------------
     def generate(
         self,
@@ -265,13 +327,16 @@ class Engine:
         stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Generate for up to max_batch prompts at once; longer lists run in waves."""
-        prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+        prompts = [_token_ids(p, i, self.model.config.vocab_size) for i, p in enumerate(prompts)]
         if not prompts:
             return GenerationResult([], [], [])
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if any(len(p) + max_new_tokens > self.max_seq for p in prompts):
-            raise ValueError(f"prompt + max_new_tokens exceeds max_seq={self.max_seq}; allocate a larger engine")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_seq:
+            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds max_seq={self.max_seq}: "
+                             f"allocate a larger engine (max_seq <= max_position_embeddings="
+                             f"{self.model.config.max_position_embeddings}) or shorten the prompt")
         stops = _per_request_stops(stop_tokens, len(prompts))
         out = GenerationResult([], [], [])
         for w in range(0, len(prompts), self.max_batch):
@@ -317,6 +382,29 @@ class Engine:
         if self.packed is not None:
             self.packed.check_overflow()
         return GenerationResult(tokens, [prefill_s] * b, latencies, prefill_s=prefill_s)
+
+
+def config_label(config: FlashLoopConfig) -> str:
+    """The enabled features, e.g. ``token_sparse_prefill+kv_residual_quantization``, or ``dense``."""
+    on = [g for g in ("token_sparse_prefill", "sparse_decode_attention", "kv_residual_quantization")
+          if getattr(config, g).enabled]
+    return "+".join(on) or "dense"
+
+
+def _token_ids(prompt: Sequence[int] | Tensor, index: int, vocab_size: int) -> Tensor:
+    """One prompt as a 1-D long tensor of token ids in [0, vocab_size); anything else is an error
+    (a float prompt would otherwise be cast to integers silently)."""
+    t = prompt if isinstance(prompt, Tensor) else torch.as_tensor(prompt)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"prompt {index} has dtype {t.dtype}: token ids must be integers (tokenize text first)")
+    if t.dim() != 1:
+        raise ValueError(f"prompt {index} has shape {tuple(t.shape)}: give each prompt as a 1-D sequence of token ids")
+    if t.numel() == 0:
+        raise ValueError(f"prompt {index} is empty: every prompt needs at least one token")
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"prompt {index} has token ids in [{lo}, {hi}]: the model's vocabulary is [0, {vocab_size})")
+    return t.to(torch.long)
 
 
 def _per_request_stops(stop_tokens, n: int) -> list[set[int]]:

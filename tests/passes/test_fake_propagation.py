@@ -40,7 +40,9 @@ def test_symbolic_nodes_stay_quiet(caplog):
     gm = _graph(torch.sin, x)
     with caplog.at_level(logging.WARNING, logger="flashloop_compile.passes"):
         propagate_fake_values(gm)
-    assert not caplog.records
+    # the project's own records only: torch logs at DEBUG under its own names (torch.__trace)
+    ours = [r for r in caplog.records if r.name == "flashloop_compile" or r.name.startswith("flashloop_compile.")]
+    assert not ours, caplog.text
     out = [n for n in gm.graph.nodes if n.op == "call_function"][0]
     assert isinstance(out.meta["val"].shape[0], torch.SymInt)
 

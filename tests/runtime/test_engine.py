@@ -182,3 +182,47 @@ def test_caches_are_freed_with_their_engine_and_its_compiled_code():
     model.clear_caches()
     gc.collect()
     assert all(ref() is None for ref in caches), "a cache outlived its engine and its compiled code"
+
+
+@pytest.mark.parametrize("prompt, max_new_tokens, message", [
+    (torch.rand(5), 2, r"prompt 0 has dtype torch.float32: token ids must be integers"),
+    ([1.0, 2.0], 2, r"prompt 0 has dtype torch.float32: token ids must be integers"),
+    (torch.ones(2, 3, dtype=torch.long), 2, r"prompt 0 has shape \(2, 3\): give each prompt as a 1-D sequence"),
+    ([3, 256], 2, r"prompt 0 has token ids in \[3, 256\]: the model's vocabulary is \[0, 256\)"),
+    ([-1, 4], 2, r"prompt 0 has token ids in \[-1, 4\]"),
+    ([1, 2], 0, r"max_new_tokens must be a positive integer, got 0"),
+    ([1, 2], 1.5, r"max_new_tokens must be a positive integer, got 1.5"),
+])
+def test_bad_prompts_and_token_counts_are_errors(prompt, max_new_tokens, message):
+    """A float prompt was cast to zeros and max_new_tokens=0 returned one token."""
+    engine = _engine(tiny(), FlashLoopConfig())
+    with pytest.raises((TypeError, ValueError), match=message):
+        engine.generate([prompt], max_new_tokens)
+
+
+def test_engine_sizes_past_the_model_are_errors():
+    model = tiny()  # max_position_embeddings=1024
+    with pytest.raises(ValueError, match=r"max_seq=2048 exceeds the model's max_position_embeddings=1024: give max_seq <= 1024"):
+        _engine(model, FlashLoopConfig(), max_seq=2048)
+    with pytest.raises(ValueError, match=r"max_new_tokens=96 must be in \[1, max_seq=96\)"):
+        _engine(model, FlashLoopConfig(), max_new_tokens=96)
+    engine = _engine(model, FlashLoopConfig(), max_seq=64)
+    with pytest.raises(ValueError, match=r"a prompt of 60 tokens \+ max_new_tokens=8 exceeds max_seq=64"):
+        engine.generate([list(range(60))], 8)
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_warm_up_compiles_ahead_and_shows_progress_when_asked(progress, capfd):
+    model = tiny()
+    config = FlashLoopConfig.all_on()
+    engine = _engine(model, config, max_batch=2, max_seq=128, progress=progress)
+    assert engine.warm_up(20, 2) > 0
+    err = capfd.readouterr().err
+    if progress:
+        assert "warm-up (token_sparse_prefill+sparse_decode_attention+kv_residual_quantization)" in err
+        assert "compiling prefill (first compile: about 1-6 min on CPU" in err and "compiling decode" in err
+    else:
+        assert err == ""
+    # the warm-up leaves no state behind: generation equals the reference
+    got = engine.generate(PROMPTS[:2], 4).tokens
+    assert got == [ReferenceFlashLoop(model, config).greedy(p, 4).tolist() for p in PROMPTS[:2]]
