@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.passes.fuse_projections import FusedProjections, fuse_projections
-from flashloop_compile.passes.manager import PassManager, RewriteReport
+from flashloop_compile.passes.manager import PassManager, RewriteReport, propagate_fake_values
 
 __all__ = ["flashloop_backend", "make_backend", "last_report"]
 
@@ -67,6 +67,10 @@ def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopCon
     report = manager.run(gm, example_inputs)
     fused = fuse_projections(gm, example_inputs) if config.compilation.fuse_projections else FusedProjections()
     report.fused_linears, report.fused_gemms = fused.linears, fused.gemms
+    if fused.gemms:
+        # the narrowed outputs are strided views of the fused GEMM: their consumers' recorded
+        # values (which outlined segments compile from) must carry those strides
+        propagate_fake_values(gm)
     manager.cuts = [fused.replaced.get(c, c) for c in manager.cuts]
     log.info("%s; config %s; passes %s", report, config, manager.uuid())
     _reports.append(report)
