@@ -15,7 +15,7 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
   depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_kv.py
-PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop; the even/odd halves once) and the packed
+PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop) and the packed
 write with several flush programs per (batch, head) (PACKED_WRITE chunks). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
@@ -98,15 +98,12 @@ def main() -> None:
             "packed_kv_write d0+d1": write(1),
         }
         if args.sweep and cuda:
-            # whole rows (the default layout) over tiles, warps and pipeline stages; the halves
-            # layout at its session-4 best once
+            # the prefill kernel over tiles, warps and pipeline stages
             grid = [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
                     (128, 128, 8, 2), (64, 128, 4, 2), (64, 64, 8, 3)]
             for bm, bni, w, st in grid:
-                tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "num_stages": st, "whole_rows": True}
+                tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "num_stages": st}
                 ops[f"packed bm{bm} bni{bni} w{w} s{st}"] = launched(tuning)
-            ops["packed bm128 bni32 w4 halves"] = launched({"block_m": 128, "block_n_inflight": 32, "num_warps": 4,
-                                                           "whole_rows": False})
             for chunks in (4, 16, 64):
                 ops[f"packed_kv_write d0+d1 x{chunks}"] = write(1, chunks)
         ref = ops["sdpa_causal"]().float()

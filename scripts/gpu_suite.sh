@@ -8,7 +8,6 @@
 #   SUITE=decode SHAPES=4x32768 DECODE_ARGS="--no-dense-whole --profile 3" bash scripts/gpu_suite.sh  # + 3 profiled
 #     replays per config: device ms per kernel bucket (rows' "profile" in $OUT/decode.jsonl, tables in decode.log)
 #   SUITE=diag,ops,prefill PREFILL_SHAPES=1x8192,1x4096 bash scripts/gpu_suite.sh   # stages: diag tests sweep ops decode prefill generate
-#   FLASHLOOP_FAST_DECODE='{...}' SUITE=generate bash scripts/gpu_suite.sh                # issue 7's run, with a tuning
 #
 # The interpreter must be off for compiled kernels: tests/conftest.py only turns it on without CUDA.
 set -uo pipefail
@@ -32,7 +31,8 @@ if [[ $SUITE == *tests* ]]; then
   tail -3 "$OUT/gpu_tests.log"
 fi
 if [[ $SUITE == *sweep* ]]; then
-  # packed decode attention launch parameters; the best (summed over the swept shapes) is used below
+  # packed decode attention launch parameters; the best (summed over the swept shapes) is printed:
+  # a new default is an edit of packed_kv.FAST_DECODE
   # SWEEP_ARGS: more arguments (e.g. --profile 5: device us per kernel of each variant)
   # SWEEP_VARIANTS: a name filter, alternatives separated by | (default '': the whole grid, about 150 s:
   # the generic path, the bulk kernel's launch points, four packed_read rows and two packed-reference
@@ -51,7 +51,7 @@ name = min((v for v in total if seen[v] == len(keys)), key=total.get)  # "generi
 print(json.dumps(next(r["tuning"] for r in rows if r["variant"] == name)))
 EOF2
 )
-  [[ -n $best ]] && export FLASHLOOP_FAST_DECODE=$best && echo "fast decode tuning: $best"
+  [[ -n $best ]] && echo "best fast decode tuning: $best"
 fi
 if [[ $SUITE == *ops* ]]; then
   # per-site op times of a quantized prefill vs causal SDPA
@@ -69,7 +69,7 @@ if [[ $SUITE == *prefill* ]] && (( $(left) > 150 )); then
   tail -5 "$OUT/prefill.log"
 fi
 if [[ $SUITE == *generate* ]] && (( $(left) > 200 )); then
-  # end-to-end generation (issue 7); FLASHLOOP_FAST_DECODE from the sweep stage, if it ran, applies
+  # end-to-end generation
   timeout $(( $(left) - 10 )) python3 benchmarks/bench_generate.py --deadline $(( $(left) - 40 )) ${GENERATE_ARGS:-} \
     > "$OUT/generate.log" 2>&1
   grep -v '^{' "$OUT/generate.log" | tail -25

@@ -133,8 +133,8 @@ _INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([
 def _loops(sass: str) -> list[tuple[int, collections.Counter]]:
     """The loops of a SASS listing (a label ``.L_x_N:`` and a later branch back to it), each as
     (instructions in the body, opcode mix without modifiers), largest first. A key-tile loop's
-    count is the per-tile cost that launch points and layouts change; session 8 found synchronous
-    loads with it, session 9 the per-tile conversions of the linear kernels."""
+    count is the per-tile cost that launch points and layouts change; they showed synchronous
+    loads and the per-tile conversions of the linear kernels."""
     ops, labels, loops = [], {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -207,37 +207,21 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
         _, keys, count, mass, o_ref, c_ref = refs[0]
         run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
-        for bk, w in ((32, 4), (64, 8)):  # the per-key-lane correction (KernelConfig.lane_corr) at its tile choices
-            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, lane_corr=True, block_k=bk, num_warps_corr=w)
-            run(f"sparse correction lane bk{bk} w{w} B4 32K",
-                lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
         for bk, st in ((64, 1), (32, 2)):  # the gathers not pipelined, and at 32-key tiles (num_stages_corr)
             cfg = dataclasses.replace(SD.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
             run(f"sparse correction bk{bk} stages{st} B4 32K",
                 lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
-        t = _decode_setup(B, S)[0]  # the packed reference: scores and PV decode the flushed bulk themselves
-        packed = (t, depth, torch.full((B,), S - 1, dtype=torch.int64))
-        run("sparse packed reference B4 32K",
-            lambda: SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps, packed=packed))
+        t = _decode_setup(B, S)[0]
         window = torch.empty(B, H, 192, D, dtype=torch.bfloat16)  # the code-domain reference: codes + a window
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
-        tl_kernels = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False, pv_mma=False)  # _scores/_pv_linear_kernel
+        # the tl kernels (_scores_linear_kernel, _pv_linear_kernel): the body where the Gluon ones do not fit
+        fits = GS.fits, GPV.fits
+        GS.fits = GPV.fits = lambda *args: False
         run("sparse linear reference B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=tl_kernels))
-        mma = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True, pv_mma=True)  # gluon_scores.py, gluon_pv.py (the defaults)
-        run("sparse linear reference mma B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=mma))
-        tl_correction = dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=False)  # _correction_linear_kernel
-        run("sparse linear correction B4 32K",
-            lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear,
-                                                config=tl_correction))
-        for d in (2, 3):  # the tensor-core correction (KernelConfig.correction_mma) at loops 3 and 4's depths
-            lin = (t, d, linear[2])
-            run(f"sparse linear correction mma depth {d} B4 32K",
-                lambda lin=lin: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0],
-                                                            o_ref, c_ref[0], 0.088, lin))
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
+        GS.fits, GPV.fits = fits
+        run("sparse linear reference mma B4 32K",  # gluon_scores.py, gluon_pv.py: the body at this shape
+            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
     if only in (None, "read"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
         grid_pos = torch.arange(32768)[None].expand(4, -1)
@@ -245,7 +229,7 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
         run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
     if only in (None, "read", "attend"):
-        # a correction's selected keys read and attended in one pass (PACKED_CORRECTION["read_attend"])
+        # a correction's selected keys read and attended in one pass
         t, q, kv, pos, out = _decode_setup(4, 32768)
         keys = torch.zeros(4, 16, 1, 3277, dtype=torch.int32)
         count = torch.full((4, 16, 1), 3277, dtype=torch.int32)

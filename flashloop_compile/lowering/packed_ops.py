@@ -39,12 +39,10 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   o_ref, c_ref, inflight_positions, k_inflight, v_inflight, depth, <cache>, scale) -> out``: sparse
   decode's correction at ``depth`` (``correction_attention``) over the history as ``packed_read``
   returns it at the selected keys: equal to ``packed_read`` of ``selected_positions`` then
-  ``correction_attention`` over that compact read with ``local_keys`` (the kv_quant pass's form
-  with ``tables.PACKED_CORRECTION`` "read_attend" off). The pass emits this op when
-  "read_attend" (the default) or "linear" is on: its CUDA body reconstructs and attends the
-  selected keys in registers (one query row per kv head: ``correction_read_attend``), or with
-  "linear" scores and weights them on their codes; neither writes a BF16 copy of the selected
-  keys. Several query rows or heads per kv head run the two-op form inside the op.
+  ``correction_attention`` over that compact read with ``local_keys``. Its CUDA body for one
+  query row per kv head reconstructs and attends the selected keys in registers
+  (``correction_read_attend``), without a BF16 copy of them; several query rows or heads per kv
+  head run the read then the correction inside the op.
 
 Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
 depth d passes only the tokens active at d, whose last position can lie far before the prompt's
@@ -60,7 +58,6 @@ import torch
 from torch import Tensor
 
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
-from flashloop_compile.lowering.tables import PACKED_CORRECTION
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
 
@@ -70,7 +67,6 @@ __all__ = [
     "packed_attention",
     "packed_reference_attention",
     "packed_correction_attention",
-    "correction_on_codes",
     "selected_positions",
     "local_keys",
     "no_inflight",
@@ -462,8 +458,7 @@ def local_keys(keys: Tensor, kv_heads: int) -> Tensor:
 def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, inflight_positions, k_inflight, v_inflight,
                                      depth, *rest) -> Tensor:
     """The correction over the packed history: packed_read of the selected keys, then
-    correction_attention over that compact read (the kv_quant pass's two-op form, with
-    PACKED_CORRECTION "read_attend" off)."""
+    correction_attention over that compact read."""
     from flashloop_compile.lowering.ops import _correction_attention_aten
 
     *cache, scale = rest
@@ -502,8 +497,8 @@ def _read_window(cache: tuple, depth: int, inflight: tuple, batch: int) -> tuple
     # every tile of the window is per-token (the ring, the step's tokens): a chain of dependent
     # loads per sub-tile. PACKED_READ["window_block_p"] positions per program, one sub-tile each,
     # instead of the read's generic_split sub-tiles in turn (the launch as long as that many chains)
-    wb = int(kv.PACKED_READ["window_block_p"] or 0)
-    tiles = dict(block_p=wb, split=1) if wb and not kv._interpreting() else {}
+    wb = kv.PACKED_READ["window_block_p"]
+    tiles = dict(block_p=wb, split=1) if not kv._cpu_semantics(k_base) else {}
     kv.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton, **tiles)
     return lo, kw, vw
 
@@ -559,32 +554,9 @@ def _packed_attention(
         return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     K = _kernels()
-    if K.FAST_DECODE["gluon"]:
-        from flashloop_compile.lowering.kernels import sparse_decode as sd
-
-        if sd.linear_decode_fits(q, cache, depth):
-            # one-row decode on tensor cores: the bulk in the code domain, a window of the ring and
-            # in-flight tokens read as the loop-2 reference does, the visibility rule of the ATen body
-            S = k_base.shape[2]
-            lo, kw, vw = _read_window(cache, depth, (inflight_positions, k_inflight, v_inflight), q.shape[0])
-            sd.linear_decode_triton(q, kw, vw, decode_visibility(q_positions, inflight_positions, S), scale,
-                                    (cache, depth, lo), out)
-            return out
     K.launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
                               wrap=wrap_triton)
     return out
-
-
-def decode_visibility(q_positions: Tensor, inflight_positions: Tensor, max_seq: int) -> Tensor:
-    """[B, 1, 1, S] bool: the keys one decode row (q_positions [B, 1]) sees, by packed_attention_aten's
-    rule: stored positions below the stored end and in-flight positions (not -1), at or before the
-    query's position (a row at -1 sees none). Device ops only."""
-    n = torch.arange(max_seq, device=q_positions.device)[None, :]
-    qpos = q_positions[:, :1]
-    vis = (n < stored_end(q_positions, inflight_positions, max_seq)[:, None]).to(torch.uint8)
-    ipv = ((inflight_positions >= 0) & (inflight_positions <= qpos)).to(torch.uint8)
-    vis = vis.scatter_reduce(1, inflight_positions.clamp(0, max_seq - 1).long(), ipv, reduce="amax")
-    return ((vis != 0) & (n <= qpos) & (qpos >= 0))[:, None, None, :]
 
 
 @torch.library.triton_op(f"{LIB}::packed_reference_attention", mutates_args=())
@@ -605,31 +577,18 @@ def _packed_reference_attention(
 
     K = _kernels()
     S, D = k_base.shape[2], 2 * k_base.shape[3]
-    if K.PACKED_REFERENCE["linear"] and sd.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
-        # the bulk in the code domain, a window of the ring and in-flight tokens read
+    if sd.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
+        # one query row per kv head: the bulk in the code domain, a window of the ring and
+        # in-flight tokens read
         lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
         return sd.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
                                              linear=(cache, depth, lo))
+    # other shapes: the whole history read, then the reference over it
     grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
     k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
     v = torch.empty_like(k)
-    fused = bool(K.PACKED_REFERENCE["fused"])
-    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton, skip_bulk=fused)
-    packed = None
-    if fused:
-        packed = (cache, depth, K.first_inflight(inflight_positions, S))
-    return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
-
-
-def correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float) -> Tensor:
-    """packed_correction_attention's body for one query row per kv head: the selected keys below
-    the window scored and weighted on their codes, the window (ring, in-flight tokens) read
-    (``sparse_decode.correction_linear_triton``; on tensor cores with KernelConfig.correction_mma).
-    Runs the Triton kernels (the interpreter's on CPU tensors: tests)."""
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
-
-    lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
-    return sd.correction_linear_triton(q, kw, vw, keys, count, mass, o_ref, c_ref, scale, (cache, depth, lo), wrap=True)
+    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton)
+    return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
 
 
 def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float, *,
@@ -672,8 +631,6 @@ def _packed_correction_attention(
 
     K = _kernels()
     hkv, D = k_base.shape[1], 2 * k_base.shape[3]
-    if PACKED_CORRECTION["linear"] and q.shape[1] == hkv and q.shape[2] == 1 and not D & (D - 1):
-        return correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
     if K.read_attend_fits(q, cache):
         return correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
     # several query rows or query heads per kv head: the compact read, then the correction over it
@@ -695,7 +652,7 @@ def _mma_linear_scores(q: T_, k: T_, mask: T_, probs: T_, part_m: T_, part_l: T_
     sparse_decode.reference_attention_triton: fills probs [B * Hkv, S] and the split partials
     part_m / part_l [B * Hkv, split] as _scores_linear_kernel does. Registered here with the other
     ops, on import: Inductor's cached code calls it by name, in a process that may never have traced
-    the reference's body (session 13)."""
+    the reference's body."""
     from flashloop_compile.lowering.kernels.gluon_scores import launch_scores
 
     launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
@@ -722,60 +679,6 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
 
 
 @_mma_linear_pv.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op(f"{LIB}::mma_linear_decode_pv", mutates_args=("part_o", "part_mass"))
-def _mma_linear_decode_pv(scores: T_, v: T_, part_m: T_, part_l: T_, part_o: T_, part_mass: T_, lo: T_,
-                          v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
-                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
-    """mma_linear_pv for decode (sparse_decode.linear_decode_triton): no selection, the
-    probabilities formed from the scaled scores and their split partials part_m / part_l [R, split_a]."""
-    from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
-
-    launch_pv(scores, v, None, None, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l)
-
-
-@_mma_linear_decode_pv.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op(f"{LIB}::mma_gather_scores", mutates_args=("scores", "part_m", "part_l"))
-def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_, part_l: T_, lo: T_,
-                       k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
-                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
-    """A code-domain correction's scores over loop 2's selected keys on tensor cores
-    (kernels/gluon_scores.py, Gluon: opaque to Inductor), launched by
-    sparse_decode.correction_linear_triton: fills scores [R, KMAX] and the split partials
-    part_m / part_l [R, split]. Registered on import, as mma_linear_scores."""
-    from flashloop_compile.lowering.kernels.gluon_scores import launch_gather_scores
-
-    launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
-                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth)
-
-
-@_mma_gather_scores.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op(f"{LIB}::mma_gather_pv", mutates_args=("part_m", "part_l", "part_acc"))
-def _mma_gather_pv(scores: T_, v: T_, keys: T_, count: T_, part_m: T_, part_l: T_, part_acc: T_, lo: T_,
-                   score_m: T_, score_l: T_, v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_,
-                   v_res_scale: T_, rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
-    """The same correction's probabilities times V over the selected keys on tensor cores
-    (kernels/gluon_pv.py): _correction_combine_kernel's partials part_m / part_l [R, split] and
-    part_acc [R, split, D]. Registered on import, as mma_linear_scores."""
-    from flashloop_compile.lowering.kernels.gluon_pv import launch_gather_pv
-
-    launch_gather_pv(scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l, v_base, v_base_min,
-                     v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, chunk, split, depth)
-
-
-@_mma_gather_pv.register_fake
 def _(*args):
     return None
 

@@ -80,20 +80,6 @@ def test_read_attend_matches_read_then_correct(dtype, depth):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"block_p {block_p}: {m}")
 
 
-def test_read_attend_tile_order_changes_no_partial(monkeypatch):
-    # the grid runs the tiles last to first (PACKED_READ attend_reverse) so that the per-token tile
-    # starts early; each program still writes its own tile's partial in the combine's slot
-    tensors, args, inflight = _case(torch.float32, 2)
-    q, keys, count = args[:3]
-    parts = {}
-    for reverse in (True, False):
-        monkeypatch.setitem(K.PACKED_READ, "attend_reverse", reverse)
-        parts[reverse] = K.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight, block_p=TILE)
-    assert parts[True][3] == parts[False][3] == -(-keys.shape[-1] // TILE)
-    for got, want in zip(parts[True][:3], parts[False][:3]):
-        assert torch.equal(got, want)
-
-
 def test_read_attend_takes_the_keys_in_any_order_and_a_padded_row():
     # the selection's order is not a contract: the valid prefix of each row shuffled; row 1 is
     # padding this step (query position -1: its reference selects nothing, the output is O_ref - C_ref)
@@ -120,7 +106,7 @@ def test_read_attend_refuses_several_query_heads_per_kv_head():
 
 def test_read_attend_refuses_a_tile_that_is_not_a_power_of_two(monkeypatch):
     tensors, (q, keys, count, *_rest), inflight = _case(torch.float32, 3)
-    monkeypatch.setitem(K.PACKED_READ, "attend_block_p", [32, 32, 32, 24])
+    monkeypatch.setitem(K.PACKED_READ, "attend_block_p", (32, 32, 32, 24))
     with pytest.raises(ValueError, match="power of two, got 24 keys"):
         K.launch_packed_read_attend(tensors, q, keys, count, 3, 0.125, inflight=inflight)
     K.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight)  # depth 2: 32

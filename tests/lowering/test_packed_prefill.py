@@ -97,6 +97,6 @@ def test_prefill_refuses_a_tile_that_is_not_a_tensor_core_tile(key, val):
     cache = PackedKVCache(1, 4, 1, 256, 2, 64)
     q = torch.zeros(1, 2, 80, 64)
     pos = torch.arange(80)[None]
-    with pytest.raises(ValueError, match=f"PACKED_PREFILL {key} must be a power of two >= 16"):
+    with pytest.raises(ValueError, match=f"prefill {key} must be a power of two >= 16"):
         K.launch_packed_attention(cache.op_tensors(0), q, q, q, pos, pos, 0, 0.125, torch.empty_like(q),
                                   mode="prefill", tuning={key: val})

@@ -212,10 +212,9 @@ def test_launchers_trace_without_host_syncs(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 3], ids=["one-split", "three-splits"])
-@pytest.mark.parametrize("lane, stages", [(True, 1), (False, 2)], ids=["per-lane", "pipelined"])
-def test_correction_variants_match_the_aten_body(dtype, split, lane, stages):
-    # KernelConfig.lane_corr: the correction's online softmax per key lane; num_stages_corr: its
-    # key tiles software-pipelined (the interpreter runs the loop as written). Loop 2's state from the
+@pytest.mark.parametrize("stages", [1, 2], ids=["plain", "pipelined"])
+def test_correction_variants_match_the_aten_body(dtype, split, stages):
+    # num_stages_corr: the correction's key tiles software-pipelined (the interpreter runs the loop as written). Loop 2's state from the
     # ATen reference; one row with no selected keys (count 0: its output is O_ref - C_ref) and a
     # split beyond a short row's count (a split with no keys: its partial must weigh nothing)
     q, k, v, mask, later = _inputs(hq=4, hkv=2, t=2, s=90, d=32, lengths=(90, 40), dtype=dtype, seed=5)
@@ -224,7 +223,7 @@ def test_correction_variants_match_the_aten_body(dtype, split, lane, stages):
                                                                        _capacities(fractions, k.shape[2]))
     count = count.clone()
     count[0, 0, 1, 0] = 0  # fraction 0, row (b 0, head 1, query 0)
-    config = sd.KernelConfig(block_k=8, split_corr=split, lane_corr=lane, num_stages_corr=stages)
+    config = sd.KernelConfig(block_k=8, split_corr=split, num_stages_corr=stages)
     state = (keys[0], count[0], mass[0], o_ref, c_ref[0])
     got = sd.correction_attention_triton(q, *later, *state, 0.25, config=config)
     want = ops._correction_attention_aten(q, *later, *state, 0.25)

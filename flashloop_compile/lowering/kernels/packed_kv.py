@@ -36,8 +36,6 @@ explicitly (the interpreter truncates float32 -> bfloat16).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -63,14 +61,10 @@ DEPTH_BIAS = 2
 _DEPTH_BIAS = tl.constexpr(DEPTH_BIAS)  # the kernels' copy (Triton globals must be constexpr)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _cpu_semantics(t: torch.Tensor) -> bool:
-    """Launch choices for the interpreter (FP32 dots, larger tiles): under TRITON_INTERPRET or on
-    CPU tensors. scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
-    return _interpreting() or t.device.type != "cuda"
+    """Launch choices for the interpreter (FP32 dots, larger tiles), which runs the kernels on CPU
+    tensors. scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
+    return t.device.type != "cuda"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -520,22 +514,16 @@ def _read_kernel(
     sp_b, sp_h, sp_t, sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     P, Ti, depth_arg, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
-    SKIP_BULK: tl.constexpr = False, RP: tl.constexpr = 4, BPB: tl.constexpr = 32,
+    RP: tl.constexpr = 4,
 ):
-    """packed_read of positions [BP] of row (b, h) (_read_tile).
-    SKIP_BULK: _read_bulk_kernel wrote the tiles of BPB positions it qualifies for (BPB a multiple
-    of BP): a program in such a tile returns."""
+    """packed_read of positions [BP] of row (b, h) (_read_tile): the shapes the bulk read does not
+    take (a head_dim that is not a power of two, an odd group)."""
     depth = depth_arg - _DEPTH_BIAS
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
     tm = t < P
     p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
-    if SKIP_BULK:
-        tb = (tl.program_id(2) * BP // BPB) * BPB + tl.arange(0, BPB)  # the bulk kernel's tile
-        pb = tl.load(positions + b * sp_b + h * sp_h + tb * sp_t, mask=tb < P, other=-1)
-        if _bulk_read_tile(pb, tb < P, flushed + b * R, lim + b, depth, BPB, RP):
-            return
     _read_tile(p, t, tm, b, h, depth,
                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
@@ -690,15 +678,13 @@ def _read_bulk_kernel(
     k_tail, v_tail, depth_count, in_positions, k_in, v_in,
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, Ti,
     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
-    GENERIC: tl.constexpr, NP: tl.constexpr, SPLIT: tl.constexpr,
+    NP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """packed_read of the tiles _bulk_read_tile admits (sparse decode's loop-2 reference reads
-    the whole history, its corrections the selected keys: almost all such tiles); _read_kernel
-    with SKIP_BULK takes the others. No per-token resolution, the depth a constexpr (unrolled residuals), K
+    the whole history, its corrections the selected keys: almost all such tiles). No per-token resolution, the depth a constexpr (unrolled residuals), K
     parameters as 32-bit pair words, V group parameters selected in registers, and rows stored
     whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
-    _reconstruct: the two kernels write identical values. GENERIC (PACKED_READ["fused"]): a tile
-    the test refuses is read here too, by _read_tile on SPLIT sub-tiles of BP / SPLIT positions in
+    _reconstruct: the two kernels write identical values. A tile the test refuses is read here too, by _read_tile on SPLIT sub-tiles of BP / SPLIT positions in
     turn (the generic kernel's tile), so no second launch is needed (the in-flight tensors and
     strides are read only then)."""
     b = tl.program_id(0).to(tl.int64)
@@ -711,7 +697,7 @@ def _read_bulk_kernel(
                          k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
                          rows, res_layout, out_k, out_v, p.to(tl.int32), t, b, h, P, B, H, S, NB, CAPT,
                          D, G, BP, CD, DEPTH)
-    elif GENERIC:
+    else:
         BS: tl.constexpr = BP // SPLIT
         for sub in range(SPLIT):
             ts = tl.program_id(2) * BP + sub * BS + tl.arange(0, BS)
@@ -747,10 +733,10 @@ def _read_attend_kernel(
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     scale, P, Ti, NT, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
-    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, REVERSE: tl.constexpr = True,
+    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Sparse decode's correction for one query row per kv head (row b * H + h), read and attended
-    in one pass: program z (REVERSE: counted from the last tile, so that the row's per-token tile,
+    in one pass: program z (counted from the last tile, so that the row's per-token tile,
     which holds its highest positions, starts in the first wave instead of the last) takes the
     selected keys [z * BP, (z + 1) * BP) of the row (keys
     [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
@@ -765,8 +751,7 @@ def _read_attend_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     z = tl.program_id(2)
-    if REVERSE:
-        z = NT - 1 - z
+    z = NT - 1 - z
     out = (b * H + h) * NT + z
     i = tl.arange(0, NP)
     cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
@@ -968,8 +953,7 @@ def _decode_bulk_kernel(
     rows, res_layout, part_ml, part_acc,
     sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
-    CD: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr, LINEAR: tl.constexpr = False,
-    HALF: tl.constexpr = False, NTAIL: tl.constexpr = 1,
+    STAGES: tl.constexpr, DEPTH: tl.constexpr, HALF: tl.constexpr = False, NTAIL: tl.constexpr = 1,
 ):
     """The packed bulk of one-query-row decode (the FAST_DECODE path): splits z < NSTORED of the
     key tiles of BN keys below every depth's flushed boundary and the stored end. There the
@@ -978,12 +962,10 @@ def _decode_bulk_kernel(
     depth j was computed at every earlier depth), so the loads have no data-dependent branches.
     A kernel of its own so that its registers are not the generic tail's (_attn_kernel with FAST
     takes split NSTORED: the unflushed tail, the ring and the in-flight keys). Per tile, K first
-    (base + residuals 1..depth where present, scores, online-softmax update), then V: two of the
-    four [BN, D/2] tiles live at a time; parameters are loaded contiguously (K: a block's D
-    channels as pair words; V: a row's groups). Partials in _attn_kernel's layout for
-    _combine_kernel. The depth is a constexpr (one compiled variant per loop of the model): the
-    residual loops unroll without masks and the tile loop's loads are software-pipelined.
-    LINEAR (FAST_DECODE["linear"]): dequantization is affine, so scores and the PV product are
+    (base + residuals 1..depth where present, scores, online-softmax update), then V. Partials in
+    _attn_kernel's layout for _combine_kernel. The depth is a constexpr (one compiled variant per
+    loop of the model): the residual loops unroll without masks and the tile loop's loads are
+    software-pipelined. Dequantization is affine, so scores and the PV product are
     taken in the code domain (_linear_scores, _linear_pv) instead of on reconstructed K/V rounded
     to the compute dtype: per element and stream a nibble conversion and one FMA, the parameters
     applied per tile (K) or per token and group (V), V kept as per-row partials summed once per
@@ -1000,73 +982,41 @@ def _decode_bulk_kernel(
     nfast = _bulk_tiles(q_positions, sqp_b, p0, flushed, b, R, DEPTH, RP, BN)
     lo = (z * nfast) // NSTORED
     hi = ((z + 1) * nfast) // NSTORED
-    i = tl.arange(0, HD)
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    if LINEAR:  # rows in _code_units' order, q in the codes' unit; per-row V partials (_linear_pv)
-        ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
-        # q's even and odd channels as two loads of D/2: fewer than a program's threads, no layout anchor
-        qc = q + b * sq_b + h * sq_h + (2 * _word_pairs(D))[None] * sq_d
-        q24 = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sq_d).to(tl.float32)) * 16777216.0
-        y = tl.zeros([BN, D // 8, 2, 2, 2], tl.float32)
-        yb = tl.zeros([BN, D // 8], tl.float32)
-        # online softmax per key lane (a lane: one key index of the tile, the row of y it feeds),
-        # merged once per split: no reduction across the program's threads per tile
-        m_v = tl.full([BN], float("-inf"), tl.float32)
-        l_v = tl.zeros([BN], tl.float32)
-    else:
-        qn = tl.load(q + b * sq_b + h * sq_h + tl.arange(0, D) * sq_d).to(tl.float32)
-        qe, qo = tl.split(tl.reshape(qn, [HD, 2]))
-        qe = qe[None, :]
-        qo = qo[None, :]
-        acc_e = tl.zeros([1, HD], tl.float32)
-        acc_o = tl.zeros([1, HD], tl.float32)
+    # rows in _code_units' order, q in the codes' unit; per-row V partials (_linear_pv)
+    ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
+    # q's even and odd channels as two loads of D/2: fewer than a program's threads, no layout anchor
+    qc = q + b * sq_b + h * sq_h + (2 * _word_pairs(D))[None] * sq_d
+    q24 = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sq_d).to(tl.float32)) * 16777216.0
+    y = tl.zeros([BN, D // 8, 2, 2, 2], tl.float32)
+    yb = tl.zeros([BN, D // 8], tl.float32)
+    # online softmax per key lane (a lane: one key index of the tile, the row of y it feeds),
+    # merged once per split: no reduction across the program's threads per tile
+    m_v = tl.full([BN], float("-inf"), tl.float32)
+    l_v = tl.zeros([BN], tl.float32)
     kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
         bh, S, NB, CAPT, D, G,
     )
     for tile in tl.range(lo, hi, num_stages=STAGES):
         p = tile * BN + tl.arange(0, BN)  # int32: positions < S
-        if LINEAR:
-            s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
-                               (tile * BN) // G, q24, b, h, B, H, S, NB, D, DEPTH, HALF) * scale
-        else:
-            kw = ((tile * BN) // G * HD + i)[None, :]  # the tile's block of K parameters (BN divides G)
-            ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
-                             B, H, S, NB, D, DEPTH)
-            s = (tl.sum(_round_to(ke, CD) * qe, 1) + tl.sum(_round_to(ko, CD) * qo, 1)) * scale  # [BN]
-        if LINEAR:
-            m_new = tl.maximum(m_v, s)  # the bulk has no masked key: s is finite
-            alpha = tl.exp(m_v - m_new)
-            pr = tl.exp(s - m_new)
-            l_v = l_v * alpha + pr
-            m_v = m_new
-            y, yb = _linear_pv(y * alpha[:, None, None, None, None], yb * alpha[:, None], vb_codes, vb_min, vb_scale,
-                               vr_codes, vr_min, vr_scale, rows, res_layout, p, pr[:, None], b, B, S, D, G, DEPTH)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 0))  # [1]
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(s[:, None] - m_new[None, :])  # [BN, 1]
-            l_i = l_i * alpha + tl.sum(pr, 0)
-            m_i = m_new
-            ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S, D, G, BN, DEPTH)
-            acc_e = acc_e * alpha[:, None] + tl.sum(pr * _round_to(ve, CD), 0)[None, :]
-            acc_o = acc_o * alpha[:, None] + tl.sum(pr * _round_to(vo, CD), 0)[None, :]
+        s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
+                           (tile * BN) // G, q24, b, h, B, H, S, NB, D, DEPTH, HALF) * scale
+        m_new = tl.maximum(m_v, s)  # the bulk has no masked key: s is finite
+        alpha = tl.exp(m_v - m_new)
+        pr = tl.exp(s - m_new)
+        l_v = l_v * alpha + pr
+        m_v = m_new
+        y, yb = _linear_pv(y * alpha[:, None, None, None, None], yb * alpha[:, None], vb_codes, vb_min, vb_scale,
+                           vr_codes, vr_min, vr_scale, rows, res_layout, p, pr[:, None], b, B, S, D, G, DEPTH)
     prow = bh * NSPL + z
     one = tl.arange(0, 1)
-    if LINEAR:  # merge the lanes: m_i is -inf (and l_i 0) for a split without tiles
-        m_i = tl.max(m_v, 0)
-        w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
-        l_i = tl.sum(l_v * w, 0)
-        tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i)
-        tl.store(part_ml + prow * 2 + 1 + one, tl.full([1], 0.0, tl.float32) + l_i)
-        tl.store(part_acc + prow * D + ch, tl.sum((y + yb[:, :, None, None, None]) * w[:, None, None, None, None], 0))
-    else:
-        tl.store(part_ml + prow * 2 + one, m_i)
-        tl.store(part_ml + prow * 2 + 1 + one, l_i)
-        o = prow * D + 2 * i[None, :]
-        tl.store(part_acc + o, acc_e)
-        tl.store(part_acc + o + 1, acc_o)
+    # merge the lanes: m_i is -inf (and l_i 0) for a split without tiles
+    m_i = tl.max(m_v, 0)
+    w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
+    l_i = tl.sum(l_v * w, 0)
+    tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i)
+    tl.store(part_ml + prow * 2 + 1 + one, tl.full([1], 0.0, tl.float32) + l_i)
+    tl.store(part_acc + prow * D + ch, tl.sum((y + yb[:, :, None, None, None]) * w[:, None, None, None, None], 0))
 
 
 @triton.jit
@@ -1226,160 +1176,9 @@ def _linear_pv(y, yb, vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, ro
 
 
 @triton.jit
-def _fp16_codes(w, BN: tl.constexpr, C: tl.constexpr):
-    """The INT4 codes of int32 code words w [BN, C/8] as fp16 subnormals code * 2^-24, [BN, C] in
-    channel order (_code_units' order flattens to it): an AND and a shift per two codes, no
-    conversion; a tensor-core product with a normal fp16 operand is exact in FP32."""
-    m = 0x000F000F
-    h = tl.join(tl.join(_fp16_pairs(w & m), _fp16_pairs((w >> 8) & m)),
-                tl.join(_fp16_pairs((w >> 4) & m), _fp16_pairs((w >> 12) & m)))
-    return tl.reshape(h, [BN, C])
-
-
-@triton.jit
 def _fp16_pairs(c):
     """The low and high 16-bit halves of int32 words c as fp16 (bit patterns), [..., 2]."""
     return tl.join(c.to(tl.uint16), (c >> 16).to(tl.uint16)).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _as_fp16(x):
-    """x (at most 2^15 in magnitude) rounded to the fp16 MMA operand."""
-    return x.to(tl.float16)
-
-
-@triton.jit
-def _pow2_fit(x):
-    """A power of two f with max|x| * f in [2^14, 2^15) (1 for x == 0): the per-tile factor that
-    puts an fp16 operand's largest entry at the top of its range."""
-    mx = tl.max(tl.abs(x))
-    e = tl.where(mx > 0, 14.0 - tl.floor(tl.log2(tl.where(mx > 0, mx, 1.0))), 0.0)
-    return tl.exp2(e)
-
-
-@triton.jit
-def _mma_dot(a, b, EXACT: tl.constexpr):
-    """a [16, K] @ b [K, N] (fp16) with FP32 accumulation: tensor cores on the GPU; in the
-    interpreter (EXACT) the same exact products as an FP32 IEEE dot."""
-    if EXACT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _mma_group_pv(pr, vsc, vmn, vcodes_words, r, rmask, g: tl.constexpr,
-                  D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, EXACT: tl.constexpr):
-    """sum_t p_t (min_t + scale_t code_t) over V group g of rows r [BN] (nothing where rmask is
-    False), [16, G]: p [16, BN], the rows' group parameters vsc, vmn [BN]."""
-    W: tl.constexpr = D // 8
-    wg = tl.load(vcodes_words + r[:, None] * W + g * (G // 8) + tl.arange(0, G // 8)[None, :], mask=rmask[:, None], other=0)
-    w = pr * vsc[None, :]
-    f = _pow2_fit(w)
-    return (_mma_dot(_as_fp16(w * f), _fp16_codes(wg, BN, G), EXACT) * (16777216.0 / f)
-            + tl.sum(pr * vmn[None, :], 1)[:, None])
-
-
-@triton.jit
-def _decode_mma_kernel(
-    q, q_positions, p0, flushed,
-    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-    rows, res_layout, part_ml, part_acc,
-    sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
-    D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
-    STAGES: tl.constexpr, DEPTH: tl.constexpr, EXACT: tl.constexpr = False, NTAIL: tl.constexpr = 1,
-):
-    """FAST_DECODE["mma"]: _decode_bulk_kernel's splits and partials, with the products on tensor
-    cores in the code domain. Codes become fp16 subnormals code * 2^-24 with an AND and a shift per
-    two codes (_fp16_codes); per tile and stream, q * (K scale) and p * (V scale) become normal fp16
-    operands scaled by a power of two into [2^14, 2^15) (_pow2_fit: no overflow, no underflow that
-    matters), so each product code * operand is exact in the FP32 accumulator and the factors are
-    divided out after the dot. The query row is broadcast over the 16 rows an MMA needs (every row
-    computes the same scores, probabilities and output; row 0 is stored). Minima enter as per-tile
-    biases (K: q . min; V: sum_t p_t min_t per group). Needs a head_dim of one or two V groups
-    and 16-key tiles or larger (the launcher checks). The attention of the exact reconstruction up to the fp16
-    rounding of q * scale and p * scale (11 bits; the reference rounds K/V to bf16, 8 bits)."""
-    NG: tl.constexpr = D // G
-    W: tl.constexpr = D // 8
-    NSPL: tl.constexpr = NSTORED + NTAIL
-    scale = tl.cast(scale, tl.float32)
-    bh = tl.program_id(0).to(tl.int64)
-    b = bh // H
-    h = bh % H
-    z = tl.program_id(1)
-    nfast = _bulk_tiles(q_positions, sqp_b, p0, flushed, b, R, DEPTH, RP, BN)
-    lo = (z * nfast) // NSTORED
-    hi = ((z + 1) * nfast) // NSTORED
-    ch = tl.arange(0, D)
-    qn = tl.load(q + b * sq_b + h * sq_h + ch * sq_d).to(tl.float32)
-    q16r = tl.zeros([16, D], tl.float32) + qn[None, :]  # the query row on all 16 MMA rows
-    m_i = tl.full([16], float("-inf"), tl.float32)
-    l_i = tl.zeros([16], tl.float32)
-    acc0 = tl.zeros([16, G], tl.float32)
-    acc1 = tl.zeros([16, G], tl.float32)  # the second V group (head_dim = 2 groups)
-    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-        bh, S, NB, CAPT, D, G,
-    )
-    kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    words = tl.arange(0, W)[None, :]
-    gsel = tl.arange(0, NG)
-    for tile in tl.range(lo, hi, num_stages=STAGES):
-        p = tile * BN + tl.arange(0, BN)
-        pw = ((tile * BN) // G) * D  # the tile's K block: per-channel parameters
-        # scores: base + residuals present, each q . (min + scale * code)
-        ks = tl.load(kb_scale + pw + ch).to(tl.float32)
-        qs = q16r * ks[None, :]
-        fq = _pow2_fit(qn * ks)  # (the q row's factor: every MMA row holds it)
-        kc = _fp16_codes(tl.load(kb_words + p[:, None] * W + words), BN, D)
-        s16 = _mma_dot(_as_fp16(qs * fq), tl.trans(kc), EXACT) * (16777216.0 / fq)
-        s16 += tl.sum(qn * tl.load(kb_min + pw + ch).to(tl.float32), 0)
-        for j in tl.static_range(1, DEPTH + 1):
-            has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
-            pk = (((j - 1) * B + b) * H + h) * NB * D + pw
-            ksj = tl.load(k_res_scale + pk + ch).to(tl.float32)
-            fqj = _pow2_fit(qn * ksj)
-            kcj = _fp16_codes(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0), BN, D)
-            s16 += _mma_dot(_as_fp16(q16r * ksj[None, :] * fqj), tl.trans(kcj), EXACT) * (16777216.0 / fqj)
-            s16 += tl.where(has, tl.sum(qn * tl.load(k_res_min + pk + ch).to(tl.float32), 0), 0.0)[None, :]
-        s16 = s16 * scale
-        m_new = tl.maximum(m_i, tl.max(s16, 1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(s16 - m_new[:, None])  # [16, BN], rows equal
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        m_i = m_new
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        # values: per stream and group, sum_t p_t (min_t + scale_t code_t)
-        for j in tl.static_range(0, DEPTH + 1):
-            if j == 0:
-                r = p
-                rmask = p >= 0
-                vmn_t, vsc_t, vwords = vb_min, vb_scale, vb_words
-            else:
-                rmask, r = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
-                vmn_t, vsc_t, vwords = vr_min, vr_scale, vr_words
-            vsc = tl.load(vsc_t + r[:, None] * NG + gsel[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-            vmn = tl.load(vmn_t + r[:, None] * NG + gsel[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-            if NG == 1:
-                acc0 += _mma_group_pv(pr, tl.reshape(vsc, [BN]), tl.reshape(vmn, [BN]), vwords, r, rmask, 0, D, G, BN, EXACT)
-            else:
-                sc0, sc1 = tl.split(vsc)
-                mn0, mn1 = tl.split(vmn)
-                acc0 += _mma_group_pv(pr, sc0, mn0, vwords, r, rmask, 0, D, G, BN, EXACT)
-                acc1 += _mma_group_pv(pr, sc1, mn1, vwords, r, rmask, 1, D, G, BN, EXACT)
-    prow = bh * NSPL + z
-    one = tl.arange(0, 1)
-    tl.store(part_ml + prow * 2 + one, tl.max(m_i, 0) + tl.zeros([1], tl.float32))
-    tl.store(part_ml + prow * 2 + 1 + one, tl.max(l_i, 0) + tl.zeros([1], tl.float32))
-    first = (tl.arange(0, 16) == 0)[:, None]
-    gc = tl.arange(0, G)
-    tl.store(part_acc + prow * D + gc, tl.sum(tl.where(first, acc0, 0.0), 0))
-    if NG == 2:
-        tl.store(part_acc + prow * D + G + gc, tl.sum(tl.where(first, acc1, 0.0), 0))
 
 
 @triton.jit(do_not_specialize=["depth_arg"])
@@ -1396,11 +1195,11 @@ def _attn_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, FUSED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_T: tl.constexpr, CD: tl.constexpr,
     FAST: tl.constexpr = False, RP: tl.constexpr = 4, BNF: tl.constexpr = 64,
-    BNI: tl.constexpr = 32, WHOLE: tl.constexpr = False, NTAIL: tl.constexpr = 1,
+    BNI: tl.constexpr = 32, NTAIL: tl.constexpr = 1,
 ):
     """NTAIL (FAST; 1 otherwise): programs per row for what the bulk kernel leaves (splits
     NSTORED .. NSTORED + NTAIL - 1, each taking every NTAIL-th tile of it; the first also the
-    in-flight keys). WHOLE (prefill): bounds [B, query tiles, 2] int32 from inflight_bounds: the
+    in-flight keys). FUSED (prefill): bounds [B, query tiles, 2] int32 from inflight_bounds: the
     in-flight keys [0, bounds[0]) are visible to every valid row of the tile (no mask), the rest
     up to bounds[1] are masked by position, none after it is visible; query tiles run heaviest
     first (the last tile has the latest positions when they ascend)."""
@@ -1412,7 +1211,7 @@ def _attn_kernel(
     h = bh % H
     z = tl.program_id(1) + (NSTORED if FAST else 0)  # FAST: NTAIL programs per row, splits NSTORED on
     mt = tl.program_id(2)
-    if WHOLE:
+    if FUSED:
         mt = tl.num_programs(2) - 1 - mt
     m = mt * BM + tl.arange(0, BM)
     mmask = m < T * QPK
@@ -1466,10 +1265,7 @@ def _attn_kernel(
             kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
         )
         tile += NTAIL
-    run_inflight = z == NSTORED
     if FUSED:
-        run_inflight = z >= 0
-    if WHOLE:
         # prefill: the in-flight keys (every prompt key of a fresh prefill) as whole rows, flash
         # attention's loop: contiguous loads, one MMA over D, base-2 exponentials, software
         # pipelined (range bounds, no branch in the body): keys [0, a_end) unmasked, [a_end,
@@ -1506,7 +1302,7 @@ def _attn_kernel(
         res = tl.where(keep[:, None], acc_w * inv[:, None], 0.0)
         tl.store(out + o, _round_to(res, CD).to(out.dtype.element_ty), mask=mmask[:, None] & cmask[None, :])
         return
-    if run_inflight:
+    if z == NSTORED:
         t0 = 0
         while t0 < Ti:
             tk, kpos, kvalid, kmin = _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI)
@@ -1525,20 +1321,13 @@ def _attn_kernel(
 
     orow = (b * Hq + hq) * T + t  # [BM]
     om = mmask[:, None] & imask[None, :]
-    if FUSED:
-        inv = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
-        ty = out.dtype.element_ty
-        o = orow[:, None] * D + 2 * i[None, :]
-        tl.store(out + o, _round_to(acc_e * inv[:, None], CD).to(ty), mask=om)
-        tl.store(out + o + 1, _round_to(acc_o * inv[:, None], CD).to(ty), mask=om)
-    else:
-        NSPL: tl.constexpr = NSTORED + NTAIL
-        prow = orow * NSPL + z
-        tl.store(part_ml + prow * 2, m_i, mask=mmask)
-        tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
-        o = prow[:, None] * D + 2 * i[None, :]
-        tl.store(part_acc + o, acc_e, mask=om)
-        tl.store(part_acc + o + 1, acc_o, mask=om)
+    NSPL: tl.constexpr = NSTORED + NTAIL
+    prow = orow * NSPL + z
+    tl.store(part_ml + prow * 2, m_i, mask=mmask)
+    tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
+    o = prow[:, None] * D + 2 * i[None, :]
+    tl.store(part_acc + o, acc_e, mask=om)
+    tl.store(part_acc + o + 1, acc_o, mask=om)
 
 
 @triton.jit
@@ -1610,145 +1399,35 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 128))
 
 
-# Every launch table below registers itself in tables.LAUNCH_TABLES (lowering_key.py hashes them all
-# into the compile caches' key; a table is changed in place, never replaced).
-from flashloop_compile.lowering.tables import LAUNCH_TABLES, with_overrides as _with_overrides  # noqa: E402,F401
+# One-query-row decode: _decode_bulk_kernel over the flushed bulk (code-domain scores and PV, K
+# rebuilt in fp16 for 16-bit caches), _attn_kernel's NTAIL programs for the tail. 32-key tiles, 4
+# warps, 3 cp.async stages, splits for 3 waves of programs: the best of
+# `benchmarks/bench_packed_decode.py --sweep` on the H200 (B1/B4 x 32K, depths 0/1: 90.1 / 216.0 /
+# 130.7 / 371.3 us). tail_programs: the tail's 2-5 per-token tiles spread over 4 programs per row
+# (_attn_kernel 13.0 / 13.4 us at B1 / B4 x 32K against 21.6 / 21.8 with one).
+FAST_DECODE = {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "tail_programs": 4}
 
+# Flush programs per (batch, head), each a contiguous range of the row's groups: 16 is the best of
+# bench_packed_prefill --sweep on the H200 (loop-2 write of a 4K / 8K prompt: 0.76 / 1.43 ms; 1
+# chunk 3.74 / 7.19, 64 chunks 1.11 / 1.58).
+PACKED_WRITE = {"chunks": 16}
 
-# Launch parameters of one-query-row decode (_decode_bulk_kernel for the flushed bulk, split
-# NSTORED in _attn_kernel): the best of `benchmarks/bench_packed_decode.py --sweep` on the H200
-# (session 6, B=1/4 x 32K, depths 1 and 3): the code-domain ("linear") kernel, 32-key tiles,
-# 4 warps, cp.async with 3 stages, four waves of splits: 165/234/515/802 us at B1/B4 x depth 1/3;
-# 1.5-1.65x faster than the reconstructing kernel's best point in the same run (bn64 w4 s2), 1.6-1.9x
-# than its session-5 default (bn32 w4 s2, itself 1.24-1.54x over the fused fast path it replaced);
-# benchmarks/RESULTS.md. "linear": False takes the reconstructing kernel (K/V rounded to the
-# compute dtype before the products, as the reference; the linear kernel skips that rounding:
-# equal up to FP32 rounding in FP32, within bf16 tolerance in BF16). "maxnreg": a register cap
-# for the bulk kernel (None: ptxas decides). "mma" (opt-in): _decode_mma_kernel, the products on
-# fp16 tensor cores in the code domain (head_dim of one or two groups, block_n >= 16); it takes
-# precedence over "linear". Timed in session 7: 2.6-3.8x slower than "linear" (RESULTS.md).
-# Session 8: the linear kernel keeps its online softmax per key lane (no cross-warp reduction per
-# tile) and loads V parameters as 32-bit words (pipelined): 128/227/394/792 us at B1/B4 x depth 1/3
-# (was 163/232/499/794); waves 8 ties (135/225/397/739).
-# Session 11: "half" (K rebuilt in fp16 for the scores: codes as 1024 + code, packed HFMA2 with the
-# stored fp16 parameters, FP32 products; 16-bit caches only, FP32 caches keep FP32) and 3 waves.
-# ncu put the kernel at 2-3 resident programs per SM (211 registers at depth 1, 168 at depth 0 or
-# with half) and ~70% issue-busy: 4 waves of programs left a partial last round. Same-run sweep,
-# B1/B4 x depth 0/1: 91.2/238.4/136.1/396.5 us -> 90.1/216.0/130.7/371.3 (half alone or 3 waves
-# alone: faster at 1 of the 4 points). Its 4x32K step A/B (32.78 vs 32.72 ms) ran one build twice
-# (the compile cache, see lowering_key.py): not measured in a step; benchmarks/RESULTS.md, session 11. Session 12:
-# "maxnreg": 128 (4 programs per SM; 13 spill ops at depth 0) with 4 or 8 waves lost 0-10%.
-# Session 14: "gluon" (opt-in until measured in a step) sends one-row decode (T = 1, Hq = Hkv, head_dim
-# 128, group 64, CUDA sm_80+) to sparse_decode.linear_decode_triton instead: the loop-2 reference's
-# tensor-core kernels without the selection (gluon_scores, gluon_pv), over a window read like the
-# reference's (packed_ops.packed_attention).
-# Session 18: "tail_programs": _attn_kernel's programs per row for what the bulk kernel leaves (the
-# unflushed tail and the ring: 2-5 per-token tiles of dependent loads, which one program ran in
-# turn, ~21 us a loop-1 site at 1x32K in session 17's profile, after the bulk kernel); each takes
-# every tail_programs-th tile, the first also the in-flight keys. Sweep at 32K, depth 0, B1 / B4:
-# _attn_kernel 21.6 / 21.8 us with 1, 12.9 / 13.7 with 2, 13.0 / 13.4 with 4, 13.0 / 15.0 with 8.
-# FLASHLOOP_FAST_DECODE='{"num_warps": 8}' (JSON) overrides entries.
-FAST_DECODE = _with_overrides({
-    "enabled": True, "block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "maxnreg": None, "linear": True,
-    "mma": False, "half": True, "gluon": False, "tail_programs": 4,
-}, "FLASHLOOP_FAST_DECODE")
+# Prefill (one fused pass per query tile, the in-flight keys as whole rows in flash attention's
+# loop): query rows per program, in-flight key tile, warps, stages. bm128 bni64 w8 s3 ties bm64
+# bni64 w4 s3 at 32K (11.48 / 11.49 ms) without spilling (scripts/kernel_report.py: 247
+# registers); two stages lose at 32K (15.18 ms).
+PACKED_PREFILL = {"block_m": 128, "block_n_inflight": 64, "num_warps": 8, "num_stages": 3}
 
-# Flush programs per (batch, head): each takes a contiguous range of the row's 64-token groups
-# (a prompt has T/64 groups). 16: the best of bench_packed_prefill --sweep on the H200 (session 4,
-# loop-2 write of a 4K/8K prompt: 1 chunk 3.74/7.19 ms, 4: 1.32/2.31, 16: 0.76/1.43, 64: 1.11/1.58).
-# FLASHLOOP_PACKED_WRITE (JSON) overrides.
-PACKED_WRITE = _with_overrides({"chunks": 16}, "FLASHLOOP_PACKED_WRITE")
-
-# Launch parameters of prefill mode (one fused pass per query tile): query rows per program,
-# in-flight key tile (a fresh prompt's keys are all in flight), warps, and whether the in-flight
-# keys are attended as whole rows (one MMA over D, contiguous loads) instead of the packed
-# layout's even/odd halves. The best of `benchmarks/bench_packed_prefill.py --sweep` on the H200
-# (session 4, a 4K/8K prompt at loop 1: 0.78/2.07 ms; the earlier halves with bm64 bni32 w8
-# 4.18/15.09 ms; causal SDPA 0.18/0.55 ms). Session 19: the whole-row loop over the in-flight keys
-# is flash attention's (inflight_bounds: an unmasked range, then the masked causal band; base-2
-# exponentials; `for` loops with range bounds, software pipelined over num_stages): a 32K prompt at
-# loop 1 31.52 -> 11.53 ms (position_attention 11.38, causal SDPA 6.71), 8K 2.29 -> 1.91 ms
-# (0.92, 0.52), same call. bm128 bni64 w8 s3 ties bm64 bni64 w4 s3 (11.48 / 11.49 ms at 32K) and
-# does not spill (scripts/kernel_report.py: 247 registers; bm64 w4: 255 and 95 spill ops); two
-# stages lose at 32K (15.18 ms). FLASHLOOP_PACKED_PREFILL (JSON) overrides entries.
-PACKED_PREFILL = _with_overrides(
-    {"block_m": 128, "block_n_inflight": 64, "num_warps": 8, "num_stages": 3, "whole_rows": True},
-    "FLASHLOOP_PACKED_PREFILL")
-
-
-# packed_read: "bulk" sends tiles of positions below the flushed boundaries (the loop-2
-# reference's read of the whole history and the corrections' selected keys under sparse decode +
-# quantization) to _read_bulk_kernel, without per-token resolution. On since session 5: the whole
-# history at B=1/4 x 32K reads in 0.33-1.19 ms instead of 2.2-9.0 ms (7-11x; benchmarks/RESULTS.md).
-# "block_p": positions per program (None: 32 at D <= 128, 16 above). "generic_split": the generic
-# kernel's tile is block_p / generic_split. What it reads in a decode step is small (the reference's
-# window of ring + step tokens, a correction's last tile) and latency-bound (_reconstruct); split 4
-# (8 positions: 158 registers, 12 warps/SM at depth 3) took the 4x32K window read from 102 us (32
-# positions, spilling) to 24 us and a correction's from 38 to 31 us (session 9; splits 8 and 16 lose).
-# "fused" (the default since session 10): the bulk kernel also reads the tiles it refuses
-# (_read_bulk_kernel GENERIC), so a read is one launch: a correction's generic launch was ~26K
-# programs at B4 x 32K that almost all only tested their tile and exited, 2-3 resident per SM at the
-# generic kernel's registers. 4x32K sparse + quant step 34.18 -> 33.29 ms (session 10; the second
-# run may have taken segments of the first from the compile cache, see lowering_key.py); 1x32K
-# 0.77x -> 0.80x of dense (two calls). False: the two launches (bulk, then generic with SKIP_BULK).
-# A software-pipelined bulk read (its tiles in a tl.range loop over about 4 x SMs programs, every
-# load a cp.async, no branch) was tried in session 12 and lost 17-50% per correction site (sweep:
-# B1/B4 x depth 1/3, 76 -> 92 ... 246 -> 289 us; 96 / 151 registers, 42 / 85 KB of shared memory
-# at depth 1 / 3): removed. RESULTS.md, session 12.
-# "attend_block_p": keys per program of the read-and-attend correction (_read_attend_kernel), by
-# depth (the last entry for deeper ones; "block_p", when set, overrides): session 17's sweep (H200,
-# 32K, per site) had 32 best at depth 2 (B1 / B4 58.8 / 149.0 us against 71.5 / 177.1 at 16) and 16
-# at depth 3 (74.7 / 213.8 against 80.5 / 222.0); 8 warps and 64-key tiles lost at both.
-# "attend_reverse": the read-and-attend grid runs the tiles last to first. A row's selected keys are
-# ascending, so its one per-token tile (the ring, the step's token: _resolve_tile's SPLIT sub-tiles
-# of dependent loads, ~25-30 us, session 9) is its last non-empty tile, which the forward order
-# schedules in the last wave, after every bulk tile: the kernel's critical path. Reversed it starts
-# in the first wave and overlaps the bulk tiles. Same partials, same values (only the order the
-# programs start in changes). Session 18 (H200, 32K, per site, same call): B1 depth 2 / 3 44.2 /
-# 58.8 us against 51.7 / 67.1 forward; B4 132.1 / 192.1 against 138.7 / 180.9; the 4x32K step
-# 26.86 ms against 27.34 forward (RESULTS.md).
-# "window_block_p": positions per program of the code-domain reference's window read
-# (packed_ops._read_window: the ring and the step's tokens, all per-token tiles), one sub-tile
-# each; 0: the read's default tile and generic_split. Session 18: 8.7 / 21.3 us against 15.6 /
-# 25.5 at B1 / B4 x 32K (the reference site 160.2 / 370.2 against 168.8 / 389.3).
-# FLASHLOOP_PACKED_READ (JSON) overrides.
-PACKED_READ = _with_overrides({"bulk": True, "num_warps": 4, "block_p": None, "generic_split": 4,
-                               "fused": True, "fused_maxnreg": None, "attend_block_p": [32, 32, 32, 16],
-                               "attend_reverse": True, "window_block_p": 8},
-                              "FLASHLOOP_PACKED_READ")
-
-# packed_reference_attention (sparse decode's loop-2 reference under quantization): "fused" has the
-# reference's scores and PV kernels decode the flushed bulk from the packed tiles themselves
-# (sparse_decode._packed_rows), so packed_read writes only the tail and the step's tokens and the
-# whole-history BF16 copy is neither written nor read back; the outputs are bit-identical
-# (tests/lowering/test_packed_kernels.py). Off: timed in session 7 it is 1.1-1.3x slower per site
-# than the bulk read then the reference over its copy, and 0.85-0.94x as fast per 32K decode step
-# (RESULTS.md); decoding in the scores/PV kernels' inner loops costs more than the copy saves.
-# "linear" (takes precedence where sparse_decode.linear_fits: one query row per kv head, as Ouro's
-# decode): the bulk in the code domain (sparse_decode._scores_linear_kernel / _pv_linear_kernel, the
-# linear decode kernel's arithmetic: no reconstructed K/V, scores and every O_ref / C_ref slot from
-# one pass over the codes each), packed_read only for a window of about 2 groups + the step's
-# tokens (sparse_decode.linear_window); equal to the reference up to FP32 rounding, up to the
-# compute-dtype rounding of K/V in bf16 (tests/lowering/test_reference_linear.py). Timed in session
-# 8 (one site, 32K): 227/325/664/1011 us at B1/B4 x depth 1/3 against 356/481/1158/1585 for the read
-# then reference (the default until then) and 415/565/1529/2274 fused; the 4x32K sparse + quant step
-# 0.53x -> 0.76x of dense (RESULTS.md).
-# FLASHLOOP_PACKED_REFERENCE (JSON) overrides.
-PACKED_REFERENCE = _with_overrides({"fused": False, "linear": True}, "FLASHLOOP_PACKED_REFERENCE")
-
-
-_PINNED: dict = {}
-
-
-def _pinned_config(kernel, num_warps: int, num_stages: int, maxnreg: int):
-    """``kernel`` under a one-config ``triton.autotune`` (nothing to tune, so nothing is timed):
-    the way to give it launch options such as ``maxnreg`` that ``wrap_triton`` (torch.compile)
-    does not forward as launch keywords."""
-    key = (kernel, num_warps, num_stages, maxnreg)
-    if key not in _PINNED:
-        config = triton.Config({}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-        _PINNED[key] = triton.autotune(configs=[config], key=[])(kernel)
-    return _PINNED[key]
+# packed_read: tiles below the flushed boundaries take _read_bulk_kernel's path (no per-token
+# resolution), the others _read_tile on generic_split sub-tiles in the same launch (8 positions:
+# 158 registers at depth 3; 4x32K window read 24 us against 102 us at 32 positions). block_p:
+# positions per program (None: 32 at D <= 128, 16 above). attend_block_p: keys per program of the
+# read-and-attend correction by depth (the last entry for deeper ones; H200, 32K, per site: 32 at
+# depth 2 58.8 / 149.0 us at B1 / B4 against 71.5 / 177.1 at 16; 16 at depth 3). window_block_p:
+# positions per program of the code-domain reference's window read (all per-token tiles), one
+# sub-tile each (8.7 / 21.3 us against 15.6 / 25.5 at B1 / B4 x 32K).
+PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_block_p": (32, 32, 32, 16),
+               "window_block_p": 8}
 
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
@@ -1798,16 +1477,14 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
 
 
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
-                       bulk: bool | None = None, block_p: int | None = None, skip_bulk: bool = False,
-                       split: int | None = None) -> None:
+                       bulk: bool | None = None, block_p: int | None = None, split: int | None = None) -> None:
     """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
     out_k/out_v [B, H, P, D] (contiguous). ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v)
     of this step's tokens: a position equal to one of them reads its row (see packed_ops).
-    ``bulk`` (default PACKED_READ["bulk"]): tiles of positions below the flushed boundaries go to
-    _read_bulk_kernel, the rest to _read_kernel. ``block_p``: positions per program (tests).
-    ``skip_bulk``: the bulk tiles are left unwritten (their reader decodes them itself: the packed
-    reference, sparse_decode.reference_attention_triton's ``packed``). ``split``: sub-tiles per
-    program of a tile the bulk test refuses (default PACKED_READ["generic_split"])."""
+    A power-of-two head_dim with an even group reads in one launch of _read_bulk_kernel (tiles below
+    the flushed boundaries without per-token resolution, the others on ``split`` sub-tiles, default
+    PACKED_READ["generic_split"]); other shapes take _read_kernel. ``bulk`` False: _read_kernel for
+    any shape (tests compare the two). ``block_p``: positions per program (tests)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -1817,16 +1494,15 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     if P == 0 or Bc == 0:
         return
     np_ = next_pow2(D // 2)
-    bp = int(PACKED_READ.get("block_p") or (32 if np_ <= 64 else 16))
-    if _interpreting():
+    interp = _cpu_semantics(positions)
+    bp = int(PACKED_READ["block_p"] or (32 if np_ <= 64 else 16))
+    if interp:
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
     bp = block_p or bp
     grid = (Bc, H, triton.cdiv(P, bp))
-    bulk_fits = not (D & (D - 1) or G % 2)
-    if skip_bulk:
-        bulk = True
+    bulk_fits = not (D & (D - 1) or G % 2)  # other shapes: the generic kernel reads everything
     if bulk is None:
-        bulk = bool(PACKED_READ["bulk"]) and bulk_fits  # other shapes: the generic kernel reads everything
+        bulk = bulk_fits
     elif bulk and not bulk_fits:
         raise ValueError(f"the bulk read needs a power-of-two head_dim and an even group, got {D}, {G}")
     cd = _CDTYPE_CODE[out_k.dtype]
@@ -1842,24 +1518,21 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     # bound: see _reconstruct): tiles of bp / generic_split positions keep it within the registers
     # (sm_90, D 128, depth 3: 228 registers at 16, 254 spill ops at 32; scripts/kernel_report.py)
     split = max(1, int(split or PACKED_READ["generic_split"]))
-    if _interpreting():
+    if interp:
         split = min(split, 2)  # the interpreter's cost is per program and operation: fewer, larger tiles
     bpg = max(1, bp // split)
     if bp % bpg:
-        raise ValueError(f"PACKED_READ generic_split {split} must divide the read tile {bp}")
-    # fused: the bulk kernel reads the tiles its test refuses as well (one launch; see _read_bulk_kernel)
-    fused = bulk and not skip_bulk and bool(PACKED_READ["fused"])
-    generic_args = (k_tail, v_tail, depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1])
-    if bulk and not skip_bulk:
+        raise ValueError(f"generic_split {split} must divide the read tile {bp}")
+    if bulk:
         wrap(_read_bulk_kernel)[grid](
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
             flushed, rows, res_layout, positions, out_k, out_v, lim,
-            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R, *generic_args,
-            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, GENERIC=fused, NP=np_, SPLIT=bp // bpg,
-            num_warps=PACKED_READ["num_warps"], **({"maxnreg": PACKED_READ["fused_maxnreg"]} if fused and PACKED_READ["fused_maxnreg"] else {}),
+            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
+            k_tail, v_tail, depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1],
+            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, NP=np_, SPLIT=bp // bpg,
+            num_warps=PACKED_READ["num_warps"],
         )
-    if fused:
         return
     wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bpg))](
         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -1868,7 +1541,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
         positions, out_k, out_v, lim, ip, k_in, v_in,
         sp_b, sp_h, sp_t, *ip.stride(), *k_in.stride(), *v_in.stride(),
         P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, BP=bpg, CD=cd, SKIP_BULK=bulk, RP=next_pow2(R), BPB=bp, num_warps=4,
+        D=D, G=G, NP=np_, BP=bpg, CD=cd, RP=next_pow2(R), num_warps=4,
     )
 
 
@@ -1896,16 +1569,13 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
                          f"power-of-two head_dim with an even group; got q {tuple(q.shape)}, head_dim {D}, group {G}")
     Bc, P = q.shape[0], keys.shape[-1]
     np_ = next_pow2(D // 2)
-    by_depth = [int(n) for n in PACKED_READ["attend_block_p"]] or [32]
-    bp = block_p or int(PACKED_READ.get("block_p") or by_depth[min(depth, len(by_depth) - 1)])
+    by_depth = PACKED_READ["attend_block_p"]
+    bp = block_p or by_depth[min(depth, len(by_depth) - 1)]
     if bp < 1 or bp & (bp - 1):
-        raise ValueError(f"the read-and-attend tile must be a power of two, got {bp} keys "
-                         f"(PACKED_READ attend_block_p {PACKED_READ['attend_block_p']}, block_p {PACKED_READ['block_p']})")
-    if _interpreting() and not block_p:
+        raise ValueError(f"the read-and-attend tile must be a power of two, got {bp} keys")
+    if _cpu_semantics(q) and not block_p:
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
     split = max(1, min(bp, int(PACKED_READ["generic_split"])))
-    if bp % split:
-        raise ValueError(f"PACKED_READ generic_split {split} must divide the read tile {bp}")
     nt = max(1, triton.cdiv(P, bp))
     dev = q.device
     part_m = torch.empty(Bc * H, nt, dtype=torch.float32, device=dev)
@@ -1922,7 +1592,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
-        REVERSE=bool(PACKED_READ["attend_reverse"]), num_warps=PACKED_READ["num_warps"],
+        num_warps=PACKED_READ["num_warps"],
     )
     return part_m, part_l, part_acc, nt
 
@@ -1935,7 +1605,10 @@ def launch_packed_attention(
     """Causal attention at ``depth`` into out [B, Hq, T, D] (contiguous); see packed_ops.
 
     mode: "decode" (split-K partials + combine; default when T * Hq/H <= 64) or "prefill"
-    (one fused pass per query tile)."""
+    (one fused pass per query tile). One query row per kv head with a power-of-two head_dim and an
+    even group takes _decode_bulk_kernel for the flushed bulk (``fast`` False: _attn_kernel alone,
+    tests). ``tuning``: entries of FAST_DECODE / PACKED_PREFILL to launch with instead (tests,
+    sweeps)."""
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
      k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
@@ -1960,7 +1633,7 @@ def launch_packed_attention(
     tune["block_n"] = min(tune["block_n"], G)
     fast_fits = mode == "decode" and mrows == 1 and G % tune["block_n"] == 0 and not (D & (D - 1) or G % 2)
     if fast is None:
-        fast = bool(tune["enabled"]) and fast_fits  # other shapes: the generic decode kernel
+        fast = fast_fits  # other shapes: the generic decode kernel
     elif fast and not fast_fits:
         raise ValueError(f"the fast decode path needs decode mode, one query row per kv head, a power-of-two head_dim "
                          f"and an even group that block_n divides; got mode {mode}, {mrows} rows, head_dim {D}, "
@@ -1972,7 +1645,6 @@ def launch_packed_attention(
         bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
         bni = bn
-        whole = False  # split-K partials are stored as halves
         m_tiles = triton.cdiv(mrows, bm)
         if num_splits is not None:
             ns = num_splits
@@ -2002,34 +1674,23 @@ def launch_packed_attention(
         grid = (Bc * H, 1, m_tiles)
         fused = True
         warps = ptune["num_warps"]
-        whole = bool(ptune["whole_rows"])
-        if whole:
-            for key, val in (("block_m", bm), ("block_n_inflight", bni)):
-                if val < 16 or val & (val - 1):
-                    raise ValueError(f"PACKED_PREFILL {key} must be a power of two >= 16 (a tensor-core tile); got {val}")
-            bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni)
-            stages_opt = {} if interp else {"num_stages": int(ptune["num_stages"])}
+        for key, val in (("block_m", bm), ("block_n_inflight", bni)):
+            if val < 16 or val & (val - 1):
+                raise ValueError(f"prefill {key} must be a power of two >= 16 (a tensor-core tile); got {val}")
+        bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni)
+        stages_opt = {} if interp else {"num_stages": int(ptune["num_stages"])}
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     if fast:
-        mma = bool(tune["mma"])
-        if mma and not (D // G in (1, 2) and bnf >= 16):
-            raise ValueError(f"FAST_DECODE mma needs a head_dim of one or two groups and block_n >= 16; got head_dim "
-                             f"{D}, group {G}, block_n {bnf}")
-        kernel = _decode_mma_kernel if mma else _decode_bulk_kernel
-        bulk_kernel, opts = kernel, {"num_warps": tune["num_warps"]}
-        if tune["maxnreg"] and not interp:  # a launch option wrap_triton does not pass: a one-config autotuner
-            bulk_kernel, opts = _pinned_config(kernel, tune["num_warps"], stages, tune["maxnreg"]), {}
-        variant = dict(EXACT=interp) if mma else dict(CD=cd, LINEAR=bool(tune.get("linear", False)),
-                                                      HALF=bool(tune["half"]) and q.dtype != torch.float32)
-        wrap(bulk_kernel)[(Bc * H, ns)](
+        wrap(_decode_bulk_kernel)[(Bc * H, ns)](
             q, q_positions, p0, flushed,
             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
             rows, res_layout, part_ml, part_acc,
             q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, NTAIL=ntail, **variant, **opts,
+            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, NTAIL=ntail,
+            HALF=q.dtype != torch.float32, num_warps=tune["num_warps"],
         )
         grid = (Bc * H, ntail, m_tiles)  # _attn_kernel takes splits NSTORED on only: the tail and in-flight keys
     wrap(_attn_kernel)[grid](
@@ -2042,7 +1703,7 @@ def launch_packed_attention(
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused, NTAIL=ntail,
-        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=next_pow2(R), BNF=bnf, BNI=bni, WHOLE=whole,
+        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=next_pow2(R), BNF=bnf, BNI=bni,
         num_warps=warps, **stages_opt,
     )
     if not fused:

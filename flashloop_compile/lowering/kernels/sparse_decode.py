@@ -65,7 +65,8 @@ from flashloop_compile.lowering.kernels.packed_kv import (
     _row_sums, _word_groups, _word_pairs,
 )
 
-__all__ = ["reference_attention_triton", "correction_attention_triton", "KernelConfig", "linear_fits", "linear_window", "correction_linear_triton"]
+__all__ = ["reference_attention_triton", "correction_attention_triton", "correction_combine_triton", "KernelConfig", "linear_fits",
+           "linear_window"]
 
 RADIX_BITS = 8  # 4 digits (8, 8, 8, 6 bits) cover the 30-bit probability keys
 KEY_BITS = 30
@@ -77,61 +78,6 @@ KEY_BITS = 30
 
 
 @triton.jit
-def _bulk_bound(flushed, lim, b, R, DEPTH: tl.constexpr, RP: tl.constexpr):
-    """Positions below this bound of row b (every depth's flushed boundary up to DEPTH, and the
-    first in-flight position lim[b]) are read from the packed tiles (_read_bulk_kernel's rule)."""
-    return tl.minimum(_flushed_min(flushed + b * R, DEPTH, RP), tl.load(lim + b).to(tl.int32))
-
-
-@triton.jit
-def _packed_rows(n, bulk, b, hk, V_ROWS: tl.constexpr,
-                 k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                 k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-                 B, H, S, NB, CAPT, D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, CD: tl.constexpr,
-                 DEPTH: tl.constexpr):
-    """K (or V with V_ROWS) rows [BN, D] of positions n of kv head (b, hk) decoded from the packed
-    tiles as _read_bulk_kernel computes them (FP32, rounded to the compute dtype: the caller casts
-    to the buffer's dtype); rows where ``bulk`` is False hold position 0's (the caller discards them)."""
-    HD: tl.constexpr = D // 2
-    pc = tl.where(bulk, n, 0).to(tl.int32)
-    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-        b * H + hk, S, NB, CAPT, D, G,
-    )
-    if V_ROWS:
-        e, o = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G, BN, DEPTH)
-    else:
-        kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
-        e, o = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, hk,
-                       B, H, S, NB, D, DEPTH)
-    return tl.reshape(tl.join(_round_to(e, CD), _round_to(o, CD)), [BN, D])
-
-
-@triton.jit
-def _kv_tile(row, n, n_ok, dd, s_n, s_d, bound, b, hk, V_ROWS: tl.constexpr, PACKED: tl.constexpr,
-             k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-             k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-             B, H, S, NB, CAPT, D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, CD: tl.constexpr,
-             DEPTH: tl.constexpr):
-    """K (V with V_ROWS) tile [BN, D] of keys n of one kv head, from the buffer at ``row``; with
-    PACKED the positions below ``bound`` are decoded from the packed tiles instead (the buffer
-    holds only the rest: packed_read with skip_bulk)."""
-    offs = row + n[:, None].to(tl.int64) * s_n + dd[None, :] * s_d
-    if PACKED:
-        bulk = n_ok & (n < bound)
-        t = tl.load(offs, mask=(n_ok & ~bulk)[:, None], other=0.0)
-        if tl.max(bulk.to(tl.int32), 0) > 0:
-            pk = _packed_rows(n, bulk, b, hk, V_ROWS,
-                              k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                              k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-                              B, H, S, NB, CAPT, D, G, BN, CD, DEPTH)
-            t = tl.where(bulk[:, None], pk.to(row.dtype.element_ty), t)
-    else:
-        t = tl.load(offs, mask=n_ok[:, None], other=0.0)
-    return t
-
-
-@triton.jit
 def _scores_kernel(
     q_ptr, k_ptr, mask_ptr, s_ptr, pm_ptr, pl_ptr,
     S, HKV, R_GROUP, scale,
@@ -139,14 +85,9 @@ def _scores_kernel(
     skb, skh, sks, skd,
     smb, smh, smt, sms,
     CHUNK, SPLIT,
-    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, flushed, rows, res_layout, lim,
-    B, NB, CAPT, RC,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PACKED: tl.constexpr = False, GP: tl.constexpr = 64, CD: tl.constexpr = 0, DEPTH: tl.constexpr = 0,
-    RP: tl.constexpr = 4,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -169,14 +110,10 @@ def _scores_kernel(
     end = tl.minimum(start + CHUNK, S)
     k_row = k_ptr + b * skb + hk * skh
     m_base = mask_ptr + b * smb + h[:, None] * smh + t[:, None] * smt
-    bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP) if PACKED else 0
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
-        kt = _kv_tile(k_row, n, n_ok, dd, sks, skd, bound, b, hk, False, PACKED,
-                      k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-                      B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
+        kt = tl.load(k_row + n[:, None].to(tl.int64) * sks + dd[None, :] * skd, mask=n_ok[:, None], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_f
@@ -457,12 +394,7 @@ def _pv_kernel(
     S, HKV, R, R_GROUP, E_GROUP, E_TOTAL,
     svb, svh, svs, svd,
     CHUNK,
-    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, flushed, rows, res_layout, lim,
-    B, NB, CAPT, RC,
     D: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_P_BF16: tl.constexpr,
-    PACKED: tl.constexpr = False, GP: tl.constexpr = 64, CD: tl.constexpr = 0, DEPTH: tl.constexpr = 0,
-    RP: tl.constexpr = 4,
 ):
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -482,7 +414,6 @@ def _pv_kernel(
     start = pid_s * CHUNK
     end = tl.minimum(start + CHUNK, S)
     v_row = v_ptr + b * svb + hk * svh
-    bound = _bulk_bound(flushed, lim, b, RC, DEPTH, RP) if PACKED else 0
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
@@ -490,10 +421,7 @@ def _pv_kernel(
         key = _prob_key(p)
         sel = (key > thr[:, None]) | ((key == thr[:, None]) & (n[None, :] <= cut[:, None]))
         p = tl.where(sel, tl.maximum(p, 0.0), 0.0)
-        vt = _kv_tile(v_row, n, n_ok, dd, svs, svd, bound, b, hk, True, PACKED,
-                      k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                      k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-                      B, HKV, S, NB, CAPT, D, GP, BLOCK_N, CD, DEPTH)
+        vt = tl.load(v_row + n[:, None].to(tl.int64) * svs + dd[None, :] * svd, mask=n_ok[:, None], other=0.0)
         if SPLIT_P_BF16:
             # bf16 V is exact; P = hi + mid + lo in bf16 keeps 24 bits: three bf16 MMAs on the
             # V tile as loaded instead of an FP32 (tf32x3) product that re-splits V every tile
@@ -629,14 +557,10 @@ def _correction_kernel(
     skb, skh, sks, skd,
     svb, svh, svs, svd,
     sob, soh, sot, sod,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, LANE: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     """STAGES (KernelConfig.num_stages_corr): software-pipelined key tiles (cp.async gathers, the
-    index load a stage ahead of the K/V rows it addresses); 1: a plain loop. LANE: online softmax
-    and accumulator per key lane ([BLOCK_K] maxima and sums, [BLOCK_K, D] partial outputs), merged
-    once at the end: no reduction across the key lanes per tile (the per-tile max and sum over keys
-    are cross-warp reductions); otherwise one running max per row."""
+    index load a stage ahead of the K/V rows it addresses); 1: a plain loop."""
     row = tl.program_id(0)
     pid_s = tl.program_id(1)
     scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -655,43 +579,20 @@ def _correction_kernel(
     acc = tl.zeros([D], tl.float32)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
-    if LANE:
-        m_v = tl.full([BLOCK_K], float("-inf"), tl.float32)
-        l_v = tl.zeros([BLOCK_K], tl.float32)
-        acc_v = tl.zeros([BLOCK_K, D], tl.float32)
-        for j0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
-            j = j0 + tl.arange(0, BLOCK_K)
-            j_ok = j < end
-            idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
-            kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-            vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-            s = tl.where(j_ok, tl.sum(kt * q[None, :], 1) * scale_f, float("-inf"))
-            m_new = tl.maximum(m_v, s)
-            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)  # no (-inf) - (-inf)
-            alpha = tl.exp(m_v - m_use)
-            p = tl.exp(s - m_use)
-            acc_v = acc_v * alpha[:, None] + p[:, None] * vt
-            l_v = l_v * alpha + p
-            m_v = m_new
-        m_i = tl.max(m_v, 0)
-        w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
-        l_i = tl.sum(l_v * w, 0)
-        acc = tl.sum(acc_v * w[:, None], 0)
-    else:
-        for j0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
-            j = j0 + tl.arange(0, BLOCK_K)
-            j_ok = j < end
-            idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
-            kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(kt * q[None, :], 1) * scale_f
-            s = tl.where(j_ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
-            p = tl.exp(s - m_new)
-            vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            m_i = m_new
+    for j0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
+        j = j0 + tl.arange(0, BLOCK_K)
+        j_ok = j < end
+        idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
+        kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(kt * q[None, :], 1) * scale_f
+        s = tl.where(j_ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
+        p = tl.exp(s - m_new)
+        vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
     if FINAL:
         local = tl.where(l_i > 0.0, acc / tl.maximum(l_i, 1e-30), 0.0)
         o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
@@ -700,116 +601,6 @@ def _correction_kernel(
         tl.store(pm_ptr + row64 * SPLIT + pid_s, m_i)
         tl.store(pl_ptr + row64 * SPLIT + pid_s, l_i)
         tl.store(pacc_ptr + (row64 * SPLIT + pid_s) * D + dd, acc)
-
-
-@triton.jit
-def _key_params(ptr, blk, D: tl.constexpr):
-    """FP32 per-channel K parameters [BK, D/8, 2, 2, 2] (_code_units' order) of each key's block
-    blk [BK] in the fp16 table ptr: a block's D/2 pair words per key (scattered keys each carry
-    their block's parameters; neighbours in a block hit the same lines)."""
-    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + blk[:, None] * (D // 2)
-                + tl.arange(0, D // 2)[None, :])
-    return _fp16_halves(tl.reshape(w, [blk.shape[0], D // 8, 2, 2]))
-
-
-@triton.jit
-def _correction_linear_kernel(
-    q_ptr, win_k, win_v, keys_ptr, count_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr, lo_ptr,
-    pm_ptr, pl_ptr, pacc_ptr,
-    HQ, KMAX, NW, CHUNK, SPLIT, scale,
-    sqb, sqh, sqd,
-    swb, swh, sws, swd,
-    sob, soh, sod,
-    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
-    B, S, NB, CAPT,
-    D: tl.constexpr, GP: tl.constexpr, BK: tl.constexpr, DEPTH: tl.constexpr, FINAL: tl.constexpr,
-):
-    """_correction_kernel for one query row per kv head (row = b * HQ + h) over a packed history,
-    without a packed_read of the selected keys: a key below lo[b] is scored and weighted on its
-    codes (base + residuals 1..DEPTH where present, its K block's parameters, its V row's group
-    parameters), a key from lo[b] on (ring, in-flight) comes from the window win_k/win_v
-    [B, H, NW, D] (linear_window's positions). Online softmax per key lane; split z of SPLIT
-    takes the selected keys [z * CHUNK, (z + 1) * CHUNK): with one split it writes
-    O_ref - C_ref + m * local, otherwise _correction_kernel's partials for
-    _correction_combine_kernel."""
-    W: tl.constexpr = D // 8
-    row = tl.program_id(0).to(tl.int64)
-    z = tl.program_id(1)
-    b = row // HQ
-    h = row % HQ
-    scale_f = tl.cast(scale, tl.float32)
-    ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
-    qc = q_ptr + b * sqb + h * sqh + (2 * _word_pairs(D))[None] * sqd
-    qn = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sqd).to(tl.float32))  # [1, D/8, 2, 2, 2]
-    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-        b * HQ + h, S, NB, CAPT, D, GP,
-    )
-    kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    words = tl.arange(0, W)[None, :]
-    lo = tl.load(lo_ptr + b).to(tl.int32)
-    cnt = tl.minimum(tl.load(count_ptr + row), KMAX)
-    m_v = tl.full([BK], float("-inf"), tl.float32)
-    l_v = tl.zeros([BK], tl.float32)
-    y = tl.zeros([BK, W, 2, 2, 2], tl.float32)  # per-lane sums of p * v
-    wk = win_k + b * swb + h * swh
-    wv = win_v + b * swb + h * swh
-    j_end = tl.minimum(z * CHUNK + CHUNK, cnt)
-    for j0 in range(z * CHUNK, j_end, BK):
-        j = j0 + tl.arange(0, BK)
-        j_ok = j < j_end
-        p = tl.load(keys_ptr + row * KMAX + j, mask=j_ok, other=0)
-        bulk = j_ok & (p < lo)
-        pc = tl.where(bulk, p, 0)  # codes of position 0 where not bulk (discarded)
-        blk = pc // GP
-        kk = _code_units(tl.load(kb_words + pc[:, None] * W + words)) * 16777216.0 * \
-            _key_params(kb_scale, blk, D) + _key_params(kb_min, blk, D)
-        c = _code_units(tl.load(vb_words + pc[:, None] * W + words)) * 16777216.0
-        vv = c * _word_groups(vb_scale, pc, D, GP)[:, :, None, None, None] + \
-            _word_groups(vb_min, pc, D, GP)[:, :, None, None, None]
-        for dj in tl.static_range(1, DEPTH + 1):
-            has, g = _bulk_residual_rows(rows, res_layout, dj, b, B, S, pc)
-            has = has & bulk
-            pk = (((dj - 1) * B + b) * HQ + h) * NB * D
-            ck = _code_units(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0)) * 16777216.0
-            kr = ck * _key_params(k_res_scale + pk, blk, D) + _key_params(k_res_min + pk, blk, D)
-            kk += tl.where(has[:, None, None, None, None], kr, 0.0)
-            cv = _code_units(tl.load(vr_words + g[:, None] * W + words, mask=has[:, None], other=0)) * 16777216.0
-            vr = cv * _word_groups(vr_scale, g, D, GP, has)[:, :, None, None, None] + \
-                _word_groups(vr_min, g, D, GP, has)[:, :, None, None, None]
-            vv += vr  # absent: codes and parameters load as 0
-        # keys from lo on: the window (positions lo .. lo + NW - 1)
-        wi = (p - lo).to(tl.int64)
-        in_win = j_ok & ~bulk & (wi < NW)
-        wo = tl.where(in_win, wi, 0)[:, None, None, None, None] * sws + ch[None] * swd
-        kk = tl.where(in_win[:, None, None, None, None],
-                      tl.load(wk + wo, mask=in_win[:, None, None, None, None], other=0.0).to(tl.float32), kk)
-        vv = tl.where(in_win[:, None, None, None, None],
-                      tl.load(wv + wo, mask=in_win[:, None, None, None, None], other=0.0).to(tl.float32), vv)
-        sc = tl.where(j_ok, _row_sums(kk * qn) * scale_f, float("-inf"))
-        m_new = tl.maximum(m_v, sc)
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp(m_v - m_use)
-        pr = tl.exp(sc - m_use)
-        l_v = l_v * alpha + pr
-        m_v = m_new
-        y = y * alpha[:, None, None, None, None] + vv * pr[:, None, None, None, None]
-    m_i = tl.max(m_v, 0)
-    w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
-    l_i = tl.sum(l_v * w, 0)
-    acc = tl.sum(y * w[:, None, None, None, None], 0)
-    if FINAL:
-        local = tl.where(l_i > 0.0, acc / tl.maximum(l_i, 1e-30), 0.0)
-        o = tl.load(oref_ptr + row * D + ch) - tl.load(cref_ptr + row * D + ch) + tl.load(mass_ptr + row) * local
-        tl.store(out_ptr + b * sob + h * soh + ch * sod, o.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(pm_ptr + row * SPLIT + z, m_i)
-        tl.store(pl_ptr + row * SPLIT + z, l_i)
-        tl.store(pacc_ptr + (row * SPLIT + z) * D + ch, acc)
 
 
 @triton.jit
@@ -864,74 +655,22 @@ class KernelConfig:
     num_warps_sel: int = 8
     num_warps_compact: int = 4
     num_warps_corr: int = 4
-    lane_corr: bool = False  # correction kernel: online softmax per key lane (_correction_kernel's LANE)
-    # correction kernel: software-pipelined key tiles (1: a plain loop). 2 (session 12): cp.async
-    # gathers, the index load a stage ahead; per correction site (read + correct) 5-14% faster at
-    # B1/B4 x 32K x depth 1/3 than 1, and than 3 or 32-key tiles (benchmarks/RESULTS.md, session 12;
-    # its step A/B there ran one build twice: the compile cache, fixed since, lowering_key.py)
+    # correction kernel: software-pipelined key tiles (1: a plain loop). 2: cp.async gathers, the
+    # index load a stage ahead; per correction site 5-14% faster at B1/B4 x 32K x depth 1/3 than 1,
+    # and than 3 or 32-key tiles (H200)
     num_stages_corr: int = 2
     block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
     block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
     num_warps_linear: int = 4
     num_stages_linear: int = 3
     waves_linear: int = 4  # linear kernels: splits of S for about this many programs per SM (with split_kv None)
-    # (session 12: the PV kernel capped at 128 registers, 4 programs per SM instead of 3 and no spills,
-    # was 0.3-0.8% faster at depth 1, the reference's depth, and 1-3% at depth 3: not kept)
-    block_k_linear: int = 16  # selected keys per tile of the code-domain correction (opt-in)
-    # the code-domain reference scores on fp16 tensor cores (gluon_scores.py; CUDA sm_80+, head_dim
-    # 128, K blocks of 64 keys, block_n_linear 64) instead of _scores_linear_kernel. The default since
-    # session 14: 1.9x faster per site (session 13) and, in a same-call step A/B with steady clocks
-    # (1980 MHz both, no clock events), 4x32K 30.83 ms against 34.13 ms with the tl kernel
-    # (benchmarks/RESULTS.md, session 14; session 13's cross-call comparison had not shown it)
-    scores_mma: bool = True
-    # the code-domain reference PV (O_ref, C_ref, mass) on fp16 tensor cores (gluon_pv.py; the same
-    # conditions, V groups of 64 channels) instead of _pv_linear_kernel. The default since session
-    # 14: per site 119 vs 217 us at B4 x 32K, 41 vs 65 us at B1; the 4x32K step 28.54 vs 30.85 ms,
-    # one process per config (benchmarks/RESULTS.md, session 14)
-    pv_mma: bool = True
-    # the code-domain correction (correction_linear_triton: opt-in, PACKED_CORRECTION["linear"]) on fp16
-    # tensor cores where it applies (gluon_scores._mma_gather_scores_kernel, gluon_pv._mma_pv_gather_kernel:
-    # CUDA sm_80+, head_dim 128, K blocks and V groups of 64) instead of _correction_linear_kernel
-    # (which lost 1.4-1.9x to read-then-correct, session 9). Written in session 15 without a GPU;
-    # session 16: correct (tests/gpu), 1.6-2x faster than the tl kernel, still 1.1-1.3x slower than
-    # read-then-correct per site (the gathers run at 10 / 12 warps per SM: latency-starved)
-    correction_mma: bool = True
-    # waves of resident programs the gathered correction kernels' splits target (gluon_pv.splits of
-    # n_sm * waves): shorter splits, less of a trailing wave. Session 16 (H200, 32K, per site, depth
-    # 2 / 3): B1 waves 1, 2, 4: 95.8 / 117.6, 92.0 / 111.6, 100.2 / 112.7 us; B4 248.0 / 332.7,
-    # 226.0 / 292.2, 219.7 / 282.7 us; read-then-correct 80.6 / 92.9 and 203.3 / 219.3 us
-    correction_waves: int = 2
 
 
-def _config_from_env(env: str = "FLASHLOOP_SPARSE_DECODE") -> KernelConfig:
-    """KernelConfig() updated from the JSON object in environment variable ``env`` (a run's kernel
-    choices without editing the defaults, e.g. '{"scores_mma": true}'; the compile caches see it:
-    lowering_key.py hashes DEFAULT_CONFIG); a field KernelConfig does not have is an error."""
-    from flashloop_compile.lowering.tables import env_object
-
-    over = env_object(env, '{"scores_mma": true}')
-    defaults = KernelConfig()
-    known = {f.name for f in dataclasses.fields(KernelConfig)}
-    unknown = sorted(set(over) - known)
-    if unknown:
-        raise ValueError(f"{env}: unknown KernelConfig fields {unknown}; known: {sorted(known)}")
-    nullable = {f.name for f in dataclasses.fields(KernelConfig) if "None" in str(f.type)}
-    for name, value in over.items():
-        want = bool if isinstance(getattr(defaults, name), bool) else int  # every field: bool, int or None
-        if not (isinstance(value, want) and (want is bool or not isinstance(value, bool))) and not (
-                name in nullable and value is None):
-            raise ValueError(f"{env}: {name} takes {'true/false' if want is bool else 'an integer'}"
-                             f"{' or null' if name in nullable else ''}, got {value!r}")
-    return dataclasses.replace(defaults, **over)
-
-
-DEFAULT_CONFIG = _config_from_env()
+# The launch parameters on CUDA and in the interpreter (CPU tensors: small tiles, the one-split
+# correction, its FINAL path; tests pass their own configs to split).
+DEFAULT_CONFIG = KernelConfig()
 INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64,
-                                  block_n_linear=16, block_n_pv_linear=16, block_k_linear=16,
-                                  split_corr=1)  # the one-split correction (its FINAL path); tests' configs split
-
-
-
+                                  block_n_linear=16, block_n_pv_linear=16, split_corr=1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1005,26 +744,6 @@ def _radix_digits() -> list[tuple[int, int]]:
         digits.append((lo, hi - lo))
         hi = lo
     return digits
-
-
-def _packed_args(k, packed) -> tuple[tuple, dict]:
-    """The scores / PV kernels' packed-source arguments: ``packed`` = (cache tensors, depth, lim
-    [B]) or None (then placeholders, PACKED False)."""
-    if packed is None:
-        return (k,) * 16 + (0, 0, 0, 0), dict(PACKED=False, GP=64, CD=0, DEPTH=0, RP=4)
-    from flashloop_compile.lowering.kernels.packed_kv import _CDTYPE_CODE, _geometry
-
-    tensors, depth, lim = packed
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-     _k_tail, _v_tail, flushed, _row_count, rows, _depth_count, res_layout, _overflow) = tensors
-    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
-    if k.shape[1:3] != (H, S) or k.shape[3] != D or k.shape[0] > B:
-        raise ValueError(f"packed reference: K {tuple(k.shape)} is not the cache's whole history [<={B}, {H}, {S}, {D}]")
-    args = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, flushed, rows, res_layout, lim,
-            B, NB, CAPT, R)
-    return args, dict(PACKED=True, GP=G, CD=_CDTYPE_CODE[k.dtype], DEPTH=depth, RP=next_pow2(R))
 
 
 def _linear_args(linear):
@@ -1113,14 +832,8 @@ def _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, 
 
 
 def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False,
-                               config: KernelConfig | None = None, packed=None, linear=None):
+                               config: KernelConfig | None = None, linear=None):
     """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body.
-
-    ``packed`` = (packed cache tensors, depth, lim [B]): k/v are the cache's whole history at
-    ``depth`` as ``packed_read`` returns it, except that the positions below every depth's flushed
-    boundary and below lim (the first in-flight position) need not be written there: the scores
-    and PV kernels decode those from the packed tiles (``launch_packed_read(skip_bulk=True)``
-    writes only the rest), bit for bit as the bulk read would have written them.
 
     ``linear`` = (packed cache tensors, depth, lo [B]) (``linear_fits`` must hold): the keys below
     lo[b] (a multiple of the config's ``block_n_linear``, at or below every depth's flushed
@@ -1164,14 +877,13 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     bnl = cfg.block_n_linear
     scores_mma = False
     if linear is not None:
-        if packed is not None:
-            raise ValueError("reference_attention_triton: pass packed or linear, not both")
         largs, lo, gp, depth = _linear_args(linear)
         if not linear_fits(q, hkv, d, gp, fractions, cfg):
             raise ValueError(f"the code-domain reference needs one query row per kv head, one key fraction, a "
                              f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
                              f"{tuple(q.shape)}, {hkv} kv heads, {len(fractions)} fractions, group {gp}")
-        scores_mma = cfg.scores_mma and not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth)
+        # on tensor cores where the Gluon kernel fits (CUDA sm_80+, head_dim 128, K blocks of 64)
+        scores_mma = not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth)
         want = cfg.split_kv or (_mma_scores_splits if scores_mma else _linear_splits)(cfg, n_sm, b * hkv)
     chunk_a, split_a = _split(s, bnl if linear is not None else cfg.block_n, want)
     probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
@@ -1198,12 +910,11 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
                 num_warps=cfg.num_warps_linear,
             )
     else:
-        pargs, pkw = _packed_args(k, packed)
         launch(_scores_kernel, (b * hkv, split_a, m_chunks))(
             q, k, mask_full, probs, part_m, part_l,
             s, hkv, m_group, float(scale),
             *q.stride(), *k.stride(), *mask_full.stride(),
-            chunk_a, split_a, *pargs, **pkw,
+            chunk_a, split_a,
             G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_N=cfg.block_n, UPCAST=upcast, DOT_PRECISION=precision,
             num_warps=cfg.num_warps_kv * (2 if block_m * d >= 64 * 128 else 1), num_stages=cfg.num_stages_kv,
         )
@@ -1220,7 +931,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     if linear is not None:
         want = cfg.split_kv or _linear_splits(cfg, n_sm, b * hkv)
     block_n_pv = cfg.block_n_pv or cfg.block_n
-    pv_mma = linear is not None and cfg.pv_mma and not _cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
+    pv_mma = linear is not None and not _cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
     if pv_mma:  # one-warp programs
         chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s)
     else:
@@ -1250,7 +961,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
             probs, v, thr, cut, part_o, part_mass,
             s, hkv, rows, m_group, e_group, e_total,
             *v.stride(),
-            chunk_c, *pargs, **pkw,
+            chunk_c,
             D=d, BLOCK_E=block_e, BLOCK_N=block_n_pv, SPLIT_P_BF16=v.dtype == torch.bfloat16 and not upcast,
             num_warps=cfg.num_warps_pv * (2 if block_e * d >= 64 * 128 else 1), num_stages=cfg.num_stages_pv,
         )
@@ -1265,167 +976,6 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         num_warps=4,
     )
     return out, keys, count, mass, o_ref, c_ref
-
-
-def linear_decode_fits(q, tensors, depth: int, config: KernelConfig | None = None) -> bool:
-    """Whether linear_decode_triton applies to packed_attention's q [B, Hq, T, D] over the packed
-    cache ``tensors``: CUDA sm_80+, T = 1, Hq = Hkv, the tensor-core kernels' shape (gluon_scores /
-    gluon_pv.fits)."""
-    from flashloop_compile.lowering.kernels.packed_kv import _geometry
-
-    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
-    cfg = _config_for(q.device, config)
-    return (q.device.type == "cuda" and not _cpu_semantics(q.device) and q.shape[2] == 1 and q.shape[1] == H
-            and q.shape[3] == D and gluon_scores.fits(q, D, G, cfg.block_n_linear, depth)
-            and gluon_pv.fits(q, D, G, depth))
-
-
-def linear_decode_triton(q, k, v, mask, scale, linear, out, *, config: KernelConfig | None = None):
-    """One-query-row decode attention (T = 1, Hq = Hkv) over a packed history in the code domain,
-    on tensor cores: the loop-2 reference's kernels without its selection. ``linear`` = (packed
-    cache tensors, depth, lo [B]) and k/v [B, Hkv, NW, D] the window from lo[b] on, as
-    reference_attention_triton takes them; mask [B, 1|Hkv, 1, S] (any strides). Scores and their
-    split partials (gluon_scores), the probabilities formed and multiplied into V's codes per split
-    (gluon_pv, NORMALIZE), the splits summed (_pv_combine_kernel) into out [B, Hkv, 1, D]. CUDA only:
-    packed_kv.FAST_DECODE["gluon"] sends loop 1's decode here (packed_ops.packed_attention)."""
-    cfg = _config_for(q.device, config)
-    dev = q.device
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    largs, lo, gp, depth = _linear_args(linear)
-    s = linear[0][0].shape[2]
-    if not (t == 1 and hq == hkv and gluon_scores.fits(q, d, gp, cfg.block_n_linear, depth)
-            and gluon_pv.fits(q, d, gp, depth)) or _cpu_semantics(dev):
-        raise ValueError(f"the tensor-core decode needs CUDA sm_80+, one query row per kv head, head_dim "
-                         f"{gluon_scores.HEAD_DIM}, a group of {gluon_scores.GROUP} and block_n_linear "
-                         f"{gluon_scores.TILE}; got q {tuple(q.shape)} on {dev}, {hkv} kv heads, group {gp}, "
-                         f"block_n_linear {cfg.block_n_linear}")
-    rows = b * hkv
-    mask_full = mask.expand(b, hkv, 1, s)
-    chunk_a, split_a = _split(s, cfg.block_n_linear, cfg.split_kv or _mma_scores_splits(cfg, sm_count(dev), rows))
-    scores = torch.empty(rows, s, dtype=torch.float32, device=dev)
-    part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
-    part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
-     v_res, v_res_min, v_res_scale, rows_map, res_layout, *_geo) = largs
-    torch.ops.flashloop.mma_linear_scores(
-        q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(), mask_full,
-        scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min, k_res_scale,
-        rows_map, res_layout, float(scale), chunk_a, split_a, depth)
-    chunk_c, split_c = gluon_pv.splits(sm_count(dev), rows, s)
-    part_o = torch.empty(split_c, 2 * rows, d, dtype=torch.float32, device=dev)
-    part_mass = torch.empty(split_c, 2 * rows, dtype=torch.float32, device=dev)
-    torch.ops.flashloop.mma_linear_decode_pv(
-        scores, v if v.stride(3) == 1 else v.contiguous(), part_m, part_l, part_o, part_mass, lo,
-        v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-        chunk_c, split_c, depth)
-    o32 = torch.empty(rows, d, dtype=torch.float32, device=dev)  # (the combine's FP32 copies: unused)
-    c32 = torch.empty(rows, d, dtype=torch.float32, device=dev)
-    m32 = torch.empty(rows, dtype=torch.float32, device=dev)
-    _Launcher(True)(_pv_combine_kernel, (2 * rows,))(
-        part_o, part_mass, out, o32, c32, m32, rows, 2 * rows, split_c,
-        D=d, SPLIT_P2=next_pow2(split_c), num_warps=4,
-    )
-    return out
-
-
-def correction_linear_triton(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, linear, *,
-                             wrap: bool = False, config: KernelConfig | None = None):
-    """A correction over a packed history without a packed_read of the selected keys (opt-in:
-    packed_ops' ``packed_correction_attention``, which the kv_quant pass emits with
-    ``tables.PACKED_CORRECTION["linear"]``): ``linear`` = (cache tensors, depth, lo [B]) and window_k/v
-    [B, Hkv, NW, D] as ``linear_window`` / ``packed_read`` give them for this correction's depth
-    and step; keys [B, Hq, 1, KMAX] are loop 2's global positions (count valid). Equal to
-    ``correction_attention`` over ``packed_read``'s K/V up to the compute-dtype rounding of K/V
-    (not applied to the keys below lo). One query row per kv head (``linear_fits``). With
-    ``KernelConfig.correction_mma`` where ``correction_mma_fits``: on tensor cores (_correction_mma)."""
-    launch = _Launcher(wrap)
-    _check_runnable(q.device)
-    cfg = _config_for(q.device, config)
-    b, hq, t, d = q.shape
-    largs, lo, gp, depth = _linear_args(linear)
-    if hq != window_k.shape[1] or t != 1 or d & (d - 1):
-        raise ValueError(f"the code-domain correction needs one query row per kv head and a power-of-two head_dim; "
-                         f"got q {tuple(q.shape)}, {window_k.shape[1]} kv heads")
-    if cfg.correction_mma and correction_mma_fits(q, gp, depth):
-        return _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, cfg, launch)
-    kmax = keys.shape[-1]
-    rows = b * hq
-    S = linear[0][0].shape[2]
-    out = torch.empty_like(q)
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout, B, NB, CAPT) = largs
-    mass_c = mass.reshape(rows).contiguous()
-    oref_c = o_ref.reshape(rows, d).contiguous()
-    cref_c = c_ref.reshape(rows, d).contiguous()
-    want = cfg.split_corr or _cdiv(cfg.waves_linear * sm_count(q.device), rows)
-    chunk, split = _split(max(kmax, 1), cfg.block_k_linear, want)
-    final = split == 1
-    if final:
-        pm = pl = pacc = mass_c  # unused
-    else:
-        pm = torch.empty(rows, split, dtype=torch.float32, device=q.device)
-        pl = torch.empty(rows, split, dtype=torch.float32, device=q.device)
-        pacc = torch.empty(rows, split, d, dtype=torch.float32, device=q.device)
-    launch(_correction_linear_kernel, (rows, split))(
-        q, window_k, window_v, keys.reshape(rows, kmax).contiguous(), count.reshape(rows).contiguous(),
-        mass_c, oref_c, cref_c, out, lo, pm, pl, pacc,
-        hq, kmax, window_k.shape[2], chunk, split, float(scale),
-        q.stride(0), q.stride(1), q.stride(3),
-        window_k.stride(0), window_k.stride(1), window_k.stride(2), window_k.stride(3),
-        out.stride(0), out.stride(1), out.stride(3),
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-        B, S, NB, CAPT,
-        D=d, GP=gp, BK=cfg.block_k_linear, DEPTH=depth, FINAL=final,
-        num_warps=cfg.num_warps_corr,
-    )
-    if not final:
-        correction_combine_triton(pm, pl, pacc, mass_c, oref_c, cref_c, out, wrap=launch.wrap)
-    return out
-
-
-def correction_mma_fits(q, group: int, depth: int) -> bool:
-    """Whether the code-domain correction runs on tensor cores (KernelConfig.correction_mma): CUDA
-    sm_80+ (not the interpreter), one query row per kv head, head_dim 128, K blocks and V groups of 64."""
-    return (not _cpu_semantics(q.device) and q.shape[2] == 1
-            and gluon_scores.fits(q, q.shape[3], group, gluon_scores.TILE, depth)
-            and gluon_pv.fits(q, q.shape[3], group, depth))
-
-
-def _correction_mma(q, window_k, window_v, keys, count, mass, o_ref, c_ref, scale, largs, lo, depth, cfg, launch):
-    """correction_linear_triton on tensor cores: the selected keys' scores (gluon_scores, split
-    partials), their probabilities times V (gluon_pv, the combine's partials), then
-    _correction_combine_kernel: O_ref - C_ref + m * local. No BF16 copy of the selected keys."""
-    b, hq, t, d = q.shape
-    dev = q.device
-    rows = b * hq
-    kmax = max(keys.shape[-1], 1)
-    n_sm = sm_count(dev) * max(1, cfg.correction_waves)
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
-     v_res, v_res_min, v_res_scale, rows_map, res_layout, *_geo) = largs
-    keys_c = keys.reshape(rows, keys.shape[-1]).to(torch.int32).contiguous()
-    count_c = count.reshape(rows).to(torch.int32).contiguous()
-    # one wave of each kernel's resident programs (whole 64-key tiles of the list per split)
-    chunk_a, split_a = gluon_pv.splits(n_sm, rows, kmax, gluon_scores.GATHER_RESIDENT)
-    scores = torch.empty(rows, kmax, dtype=torch.float32, device=dev)
-    score_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
-    score_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
-    torch.ops.flashloop.mma_gather_scores(
-        q if q.stride(3) == 1 else q.contiguous(), window_k if window_k.stride(3) == 1 else window_k.contiguous(),
-        keys_c, count_c, scores, score_m, score_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
-        k_res_scale, rows_map, res_layout, float(scale), chunk_a, split_a, depth)
-    chunk_c, split_c = gluon_pv.splits(n_sm, rows, kmax, gluon_pv.GATHER_RESIDENT)
-    pm = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
-    pl = torch.empty(rows, split_c, dtype=torch.float32, device=dev)
-    pacc = torch.empty(rows, split_c, d, dtype=torch.float32, device=dev)
-    torch.ops.flashloop.mma_gather_pv(
-        scores, window_v if window_v.stride(3) == 1 else window_v.contiguous(), keys_c, count_c, pm, pl, pacc, lo,
-        score_m, score_l, v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows_map, res_layout,
-        chunk_c, split_c, depth)
-    out = torch.empty_like(q)
-    correction_combine_triton(pm, pl, pacc, mass, o_ref, c_ref, out, wrap=launch.wrap)
-    return out
 
 
 def correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, *, wrap: bool = False,
@@ -1478,7 +1028,7 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
         pm, pl, pacc,
         hq, t, hq // hkv, kmax, chunk, split, float(scale),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        D=d, BLOCK_K=cfg.block_k, FINAL=final, LANE=cfg.lane_corr, STAGES=cfg.num_stages_corr,
+        D=d, BLOCK_K=cfg.block_k, FINAL=final, STAGES=cfg.num_stages_corr,
         num_warps=cfg.num_warps_corr,
     )
     if not final:
