@@ -59,7 +59,8 @@ from torch import Tensor
 
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
-from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
+from flashloop_compile.lowering.ops import _correction_attention_aten, _reference_attention_aten, reference_fake
+from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache
 
 __all__ = [
     "packed_kv_write",
@@ -79,7 +80,6 @@ __all__ = [
 ]
 
 LIB = "flashloop"
-CACHE_NAMES = LAYER_TENSOR_NAMES + MODEL_TENSOR_NAMES
 WRITE_MUTATES = tuple(n for n in CACHE_NAMES if n != "res_layout")
 
 
@@ -188,8 +188,6 @@ def _read_fake(*args):
 
 
 def _reference_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
-    from flashloop_compile.lowering.ops import reference_fake
-
     *cache, mask, scale, fractions, capacities = rest
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     torch._check(q.dim() == 4 and q.shape[0] <= B, lambda: f"q must be [B <= {B}, Hq, T, D], got {tuple(q.shape)}")
@@ -388,8 +386,6 @@ def packed_reference_attention_aten(q, inflight_positions, k_inflight, v_infligh
     """ATen body of ``flashloop::packed_reference_attention``: sparse decode's loop-2 reference
     (``reference_attention``) over the whole history at ``depth`` as ``packed_read`` returns it
     (positions 0..S-1, this step's tokens in flight)."""
-    from flashloop_compile.lowering.ops import _reference_attention_aten
-
     *cache, mask, scale, fractions, capacities = rest
     grid = torch.arange(cache[0].shape[2], device=q.device)[None].expand(q.shape[0], -1)
     k, v = packed_read_aten(*cache, grid, depth, inflight_positions, k_inflight, v_inflight)
@@ -459,8 +455,6 @@ def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, infligh
                                      depth, *rest) -> Tensor:
     """The correction over the packed history: packed_read of the selected keys, then
     correction_attention over that compact read."""
-    from flashloop_compile.lowering.ops import _correction_attention_aten
-
     *cache, scale = rest
     kv_heads = cache[0].shape[1]
     k_sel, v_sel = packed_read_aten(*cache, selected_positions(keys, count, kv_heads), depth, inflight_positions,
@@ -727,13 +721,13 @@ for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_o
 # ------------------------------------------------------------------------------------------------
 
 
-def packed_kv_write(cache: PackedKVCache, layer: int, k: Tensor, v: Tensor, positions: Tensor, depth: int) -> None:
+def packed_kv_write(cache: PackedCache, layer: int, k: Tensor, v: Tensor, positions: Tensor, depth: int) -> None:
     """Write depth ``depth`` of k/v [B, H, T, D] at positions [B, T] into ``cache``'s layer."""
     torch.ops.flashloop.packed_kv_write(*cache.op_tensors(layer), k, v, positions, int(depth))
 
 
 def packed_read(
-    cache: PackedKVCache, layer: int, positions: Tensor, depth: int,
+    cache: PackedCache, layer: int, positions: Tensor, depth: int,
     inflight: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Logical (k, v) [B, H, P, D] at ``depth`` of positions [B, P] (every head) or [B, H, P] (each
@@ -745,7 +739,7 @@ def packed_read(
 
 
 def packed_reference_attention(
-    cache: PackedKVCache, layer: int, q: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, mask: Tensor,
+    cache: PackedCache, layer: int, q: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, mask: Tensor,
     scale: float, fractions: list[float], capacities: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Sparse decode's loop-2 reference (``reference_attention``'s outputs) over ``cache``'s whole
@@ -756,7 +750,7 @@ def packed_reference_attention(
 
 
 def packed_correction_attention(
-    cache: PackedKVCache, layer: int, q: Tensor, keys: Tensor, count: Tensor, mass: Tensor, o_ref: Tensor,
+    cache: PackedCache, layer: int, q: Tensor, keys: Tensor, count: Tensor, mass: Tensor, o_ref: Tensor,
     c_ref: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, scale: float,
 ) -> Tensor:
     """Sparse decode's correction at ``depth`` over ``cache``'s history at the selected keys (keys
@@ -766,14 +760,14 @@ def packed_correction_attention(
         q, keys, count, mass, o_ref, c_ref, *inflight, int(depth), *cache.op_tensors(layer), float(scale))
 
 
-def no_inflight(cache: PackedKVCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
+def no_inflight(cache: PackedCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
     """Empty in-flight arguments (Ti = 0) for a packed_read of stored tokens only."""
     rows = torch.empty(batch, cache.kv_heads, 0, cache.head_dim, dtype=cache.dtype, device=device)
     return torch.empty(batch, 0, dtype=torch.long, device=device), rows, rows.clone()
 
 
 def packed_attention(
-    cache: PackedKVCache, layer: int, q: Tensor, k_inflight: Tensor, v_inflight: Tensor,
+    cache: PackedCache, layer: int, q: Tensor, k_inflight: Tensor, v_inflight: Tensor,
     q_positions: Tensor, inflight_positions: Tensor, depth: int, scale: float | None = None,
 ) -> Tensor:
     """Causal attention at ``depth`` over the packed store and the in-flight keys."""

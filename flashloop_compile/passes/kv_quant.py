@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from flashloop_compile.lowering.packed_ops import local_keys, selected_positions
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
-from flashloop_compile.passes.manager import FlashLoopPass
+from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
 from flashloop_compile.passes.sparse_decode import site_scale
 

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels import gluon_pv, gluon_scores
-from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap, sm_count, wrap_triton
+from flashloop_compile.lowering.kernels.common import first_inflight, key_counts, next_pow2, no_wrap, sm_count, wrap_triton
 from flashloop_compile.lowering.kernels.packed_kv import (
     _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
     _row_sums, _word_groups, _word_pairs,
@@ -842,8 +842,6 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     kernel: the compute-dtype rounding of K/V is not applied there); k/v [B, Hkv, NW, D] hold the
     NW positions lo[b] .. lo[b] + NW - 1 (packed_read of those positions), which must cover every
     visible key from lo[b] on."""
-    from flashloop_compile.lowering.ops import key_counts
-
     launch = _Launcher(wrap)
     _check_runnable(q.device)
     cfg = _config_for(q.device, config)
