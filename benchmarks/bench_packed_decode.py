@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cuda_times, graph_of  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
-from flashloop_compile.lowering.kernels import sparse_decode as SD
+from flashloop_compile.lowering.kernels import correction as CO, packed_attention as PA, packed_decode as PD, packed_read as PR, sparse_config as SC
 from flashloop_compile.passes.kv_quant import local_keys, selected_positions
 from flashloop_compile.runtime import PackedKVCache
 
@@ -242,14 +241,14 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v, ref_args=ref_args):
                         if "read_config" in kw or "config" in kw:
                             # PACKED_READ entries / sparse_decode's KernelConfig, read at launch: captured as set here
-                            saved_read, saved_cfg = dict(K.PACKED_READ), SD.DEFAULT_CONFIG
-                            K.PACKED_READ.update(kw.get("read_config", {}))
-                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
+                            saved_read, saved_cfg = dict(PR.PACKED_READ), SC.DEFAULT_CONFIG
+                            PR.PACKED_READ.update(kw.get("read_config", {}))
+                            SC.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
                             try:
                                 return fn({k: v for k, v in kw.items() if k not in ("read_config", "config")})
                             finally:
-                                K.PACKED_READ.update(saved_read)
-                                SD.DEFAULT_CONFIG = saved_cfg
+                                PR.PACKED_READ.update(saved_read)
+                                SC.DEFAULT_CONFIG = saved_cfg
                         if kw.get("reference") == "read":  # the body at other shapes, at this one
                             whole = torch.arange(S, device="cuda")[None].expand(B, -1)
                             k_all, v_all = torch.ops.flashloop.packed_read(*tensors, whole, depth, pd, kd, vd)
@@ -264,14 +263,14 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                             sel = selected_positions(keys[0], count[0], H)
                             k_sel = torch.empty(B, H, sel.shape[-1], D, device="cuda", dtype=DT)
                             v_sel = torch.empty_like(k_sel)
-                            K.launch_packed_read(tensors, sel, depth, k_sel, v_sel, inflight=(pd, kd, vd))
-                            return SD.correction_attention_triton(q, k_sel, v_sel, local_keys(keys[0], H), count[0],
+                            PR.launch_packed_read(tensors, sel, depth, k_sel, v_sel, inflight=(pd, kd, vd))
+                            return CO.correction_attention_triton(q, k_sel, v_sel, local_keys(keys[0], H), count[0],
                                                                   mass[0], o_ref, c_ref[0], scale)
                         if kw.get("read"):
-                            K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
+                            PR.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
                         out = torch.empty_like(q)
-                        K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
+                        PA.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out
                     try:
                         if "correction" in kw:
@@ -374,14 +373,14 @@ def main() -> None:
             dense_eager = _times(dense, args.repeats, args.warmup, l2)
             dense_graph = _times(graph_of(dense), args.repeats, args.warmup, l2)
             dense_bytes = 2 * B * H * S * D * 2 + 2 * B * H * D * 2
-            splits = args.splits if args.splits is not None else K.decode_splits(B, H, 1, S, 64, q.device)
+            splits = args.splits if args.splits is not None else PD.decode_splits(B, H, 1, S, 64, q.device)
             for depth in args.depths:
                 kd, vd, pd = step[depth]
                 tensors = cache.op_tensors(0)
 
                 def packed(kd=kd, vd=vd, pd=pd, depth=depth, tensors=tensors):
                     out = torch.empty_like(q)
-                    K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, num_splits=splits)
+                    PA.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, num_splits=splits)
                     return out
 
                 ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)

@@ -32,7 +32,7 @@ if [[ $SUITE == *tests* ]]; then
 fi
 if [[ $SUITE == *sweep* ]]; then
   # packed decode attention launch parameters; the best (summed over the swept shapes) is printed:
-  # a new default is an edit of packed_kv.FAST_DECODE
+  # a new default is an edit of packed_decode.FAST_DECODE
   # SWEEP_ARGS: more arguments (e.g. --profile 5: device us per kernel of each variant)
   # SWEEP_VARIANTS: a name filter, alternatives separated by | (default '': the whole grid, about 150 s:
   # the generic path, the bulk kernel's launch points, four packed_read rows and two packed-reference

@@ -165,7 +165,8 @@ def _decode_setup(B: int, S: int, T: int = 1):
 
 def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
     """(label, grid, launch kwargs, compiled kernel) of every launch of the chosen groups."""
-    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import common
+    from flashloop_compile.lowering.kernels import packed_attention as PA, packed_read as PR, packed_write as PW
 
     sink: list = []
     wrap = _compiling_wrap(sink)
@@ -176,22 +177,21 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         fn()
         labels.extend(f"{label} [{sink[i][0]}]" for i in range(n, len(sink)))
 
-    K._cpu_semantics = lambda t: False  # the GPU's constexprs (bf16 dots, the GPU's tiles)
+    common.cpu_semantics = lambda device: False  # the GPU's constexprs (bf16 dots, the GPU's tiles)
     if only in (None, "decode"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
-        run("decode fast B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, tuning=tuning))
-        run("decode generic B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, fast=False))
+        run("decode fast B4 32K", lambda: PA.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, tuning=tuning))
+        run("decode generic B4 32K", lambda: PA.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, fast=False))
     if only in (None, "prefill"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
-        run("prefill 8K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 0, 0.088, out, wrap=wrap, tuning=tuning))
+        run("prefill 8K", lambda: PA.launch_packed_attention(t, q, kv, kv, pos, pos, 0, 0.088, out, wrap=wrap, tuning=tuning))
     if only in (None, "sparse"):
-        from flashloop_compile.lowering.kernels import sparse_decode as SD
+        from flashloop_compile.lowering.kernels import correction as CO, reference_attention as RA, sparse_config as SC
 
-        SD._cpu_semantics = lambda device: False
-        SD._check_runnable = lambda device: None
-        SD.sm_count = lambda device: 132
-        SD._Launcher.__call__ = lambda self, kernel, grid: wrap(kernel)[grid]
+        SC.check_runnable = lambda kernel, device: None
+        RA.sm_count = CO.sm_count = lambda device: 132
+        SC.Launcher.__call__ = lambda self, kernel, grid: wrap(kernel)[grid]
         from flashloop_compile.lowering.kernels import gluon_scores as GS
 
         GS._run = lambda kernel, grid: wrap(kernel)[grid]  # the tensor-core scores' launches (an opaque op)
@@ -204,13 +204,13 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
         caps = [-(-S // 10)]
         refs = []
-        run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
+        run("sparse reference B4 32K", lambda: refs.append(RA.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
         _, keys, count, mass, o_ref, c_ref = refs[0]
-        run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
+        run("sparse correction B4 32K", lambda: CO.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
         for bk, st in ((64, 1), (32, 2)):  # the gathers not pipelined, and at 32-key tiles (num_stages_corr)
-            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
+            cfg = dataclasses.replace(SC.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
             run(f"sparse correction bk{bk} stages{st} B4 32K",
-                lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
+                lambda cfg=cfg: CO.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
         t = _decode_setup(B, S)[0]
         window = torch.empty(B, H, 192, D, dtype=torch.bfloat16)  # the code-domain reference: codes + a window
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
@@ -218,29 +218,29 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         fits = GS.fits, GPV.fits
         GS.fits = GPV.fits = lambda *args: False
         run("sparse linear reference B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
+            lambda: RA.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
         GS.fits, GPV.fits = fits
         run("sparse linear reference mma B4 32K",  # gluon_scores.py, gluon_pv.py: the body at this shape
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
+            lambda: RA.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
     if only in (None, "read"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
         grid_pos = torch.arange(32768)[None].expand(4, -1)
         full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
-        run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
-        run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
+        run("read B4 32K (loop-2 reference)", lambda: PR.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
+        run("read B4 32K bulk", lambda: PR.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
     if only in (None, "read", "attend"):
         # a correction's selected keys read and attended in one pass
         t, q, kv, pos, out = _decode_setup(4, 32768)
         keys = torch.zeros(4, 16, 1, 3277, dtype=torch.int32)
         count = torch.full((4, 16, 1), 3277, dtype=torch.int32)
-        run(f"read attend B4 32K (correction, {K.PACKED_READ['attend_block_p'][min(depth, 3)]} keys)",
-            lambda: K.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
+        run(f"read attend B4 32K (correction, {PR.PACKED_READ['attend_block_p'][min(depth, 3)]} keys)",
+            lambda: PR.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
-        run("write 8K depth 1", lambda: K.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
+        run("write 8K depth 1", lambda: PW.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
         t1, _q1, kv1, pos1, _out1 = _decode_setup(4, 32768)  # a decode step's write (ONE_TOKEN)
-        run("write one token depth 1", lambda: K.launch_packed_kv_write(t1, kv1, kv1, pos1, 1, wrap=wrap))
+        run("write one token depth 1", lambda: PW.launch_packed_kv_write(t1, kv1, kv1, pos1, 1, wrap=wrap))
     return [(label, grid, kwargs, compiled) for label, (_, grid, kwargs, compiled) in zip(labels, sink)]
 
 

@@ -24,7 +24,7 @@ def _codes(x):  # [.., D/2] bytes -> [.., D] codes, low nibble = even channel
 
 
 def _packed(B, H, S, depth, seed):
-    """The tensors _prep_kernel and the kernel read, at the cache's layout (packed_kv.py):
+    """The tensors _prep_kernel and the kernel read, at the cache's layout (packed_layout.py):
     k_base [B, H, S, D/2], k_base_* [B, H, NB, D], k_res [B, H, CAPT, D/2] with depth j's rows
     from res_layout[0, j], k_res_* [R-1, B, H, NB, D], rows [R-1, B, S] (-1: no residual)."""
     g = torch.Generator().manual_seed(seed)

@@ -101,7 +101,7 @@ def _reference_attention_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
         return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
-    from flashloop_compile.lowering.kernels.sparse_decode import reference_attention_triton
+    from flashloop_compile.lowering.kernels.reference_attention import reference_attention_triton
 
     return reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
 
@@ -137,7 +137,7 @@ def _correction_attention_op(
 ) -> Tensor:
     if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
         return _correction_attention_aten(q, k, v, keys, count, mass, o_ref, c_ref, scale)
-    from flashloop_compile.lowering.kernels.sparse_decode import correction_attention_triton
+    from flashloop_compile.lowering.kernels.correction import correction_attention_triton
 
     return correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, wrap=True)
 

@@ -1,7 +1,8 @@
 """``flashloop`` ops over the packed KV cache (SPEC.md section 3, DESIGN.md "Packed KV storage").
 
 Registered on import, in the style of :mod:`.ops`: each op is a ``torch.library.triton_op`` whose
-CUDA body launches the Triton kernels of :mod:`.kernels.packed_kv` through ``wrap_triton`` (so
+CUDA body launches the Triton kernels of :mod:`.kernels` (packed_write, packed_read,
+packed_attention) through ``wrap_triton`` (so
 Inductor sees them and they can be captured in CUDA graphs: no host syncs), with
 ``register_kernel("cpu")`` pointing at a plain-PyTorch ATen body written for clarity (the
 oracle), and a fake implementation whose ``torch._check`` calls state the contract. Traced on a
@@ -57,6 +58,7 @@ import math
 import torch
 from torch import Tensor
 
+from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.lowering.ops import _correction_attention_aten, _reference_attention_aten, reference_fake
@@ -469,31 +471,27 @@ def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, infligh
 T_ = Tensor  # short alias for the long signatures below
 
 
-def _kernels():
-    """The Triton kernels, imported on first CUDA use (CPU installs need no Triton)."""
-    from flashloop_compile.lowering.kernels import packed_kv
-
-    return packed_kv
+# The Triton kernel modules are imported in the CUDA bodies, on first use (CPU installs need no Triton).
 
 
 def _read_window(cache: tuple, depth: int, inflight: tuple, batch: int) -> tuple[Tensor, Tensor, Tensor]:
     """The code-domain kernels' window at ``depth``: (lo [B], k, v [B, Hkv, NW, D]) with the
-    positions lo[b] .. lo[b] + NW - 1 (the ring and this step's tokens, ``sparse_decode.linear_window``)
+    positions lo[b] .. lo[b] + NW - 1 (the ring and this step's tokens, ``reference_attention.linear_window``)
     read as packed_read returns them; below lo[b] the kernels read the codes themselves."""
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels import packed_read
+    from flashloop_compile.lowering.kernels.reference_attention import linear_window
 
-    lo, window = sd.linear_window(cache, depth, inflight[0])
+    lo, window = linear_window(cache, depth, inflight[0])
     k_base, k_tail = cache[0], cache[12]
     kw = torch.empty(batch, k_base.shape[1], window.shape[1], 2 * k_base.shape[3], dtype=k_tail.dtype,
                      device=k_base.device)
     vw = torch.empty_like(kw)
-    kv = _kernels()
     # every tile of the window is per-token (the ring, the step's tokens): a chain of dependent
     # loads per sub-tile. PACKED_READ["window_block_p"] positions per program, one sub-tile each,
     # instead of the read's generic_split sub-tiles in turn (the launch as long as that many chains)
-    wb = kv.PACKED_READ["window_block_p"]
-    tiles = dict(block_p=wb, split=1) if not kv._cpu_semantics(k_base) else {}
-    kv.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton, **tiles)
+    wb = packed_read.PACKED_READ["window_block_p"]
+    tiles = dict(block_p=wb, split=1) if not common.cpu_semantics(k_base.device) else {}
+    packed_read.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton, **tiles)
     return lo, kw, vw
 
 
@@ -510,7 +508,9 @@ def _packed_kv_write(
     if k.device.type != "cuda":
         torch.ops.flashloop.packed_kv_write_aten(*cache, k, v, positions, depth)
         return
-    _kernels().launch_packed_kv_write(cache, k, v, positions, depth, wrap=wrap_triton)
+    from flashloop_compile.lowering.kernels.packed_write import launch_packed_kv_write
+
+    launch_packed_kv_write(cache, k, v, positions, depth, wrap=wrap_triton)
 
 
 @torch.library.triton_op(f"{LIB}::packed_read", mutates_args=())
@@ -529,7 +529,9 @@ def _packed_read(
     shape = (positions.shape[0], k_base.shape[1], positions.shape[-1], 2 * k_base.shape[3])
     out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
-    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=wrap_triton)
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
+
+    launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=wrap_triton)
     return out_k, out_v
 
 
@@ -547,9 +549,10 @@ def _packed_attention(
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    K = _kernels()
-    K.launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
-                              wrap=wrap_triton)
+    from flashloop_compile.lowering.kernels.packed_attention import launch_packed_attention
+
+    launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
+                            wrap=wrap_triton)
     return out
 
 
@@ -567,40 +570,40 @@ def _packed_reference_attention(
     inflight = (inflight_positions, k_inflight, v_inflight)
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_reference_attention_aten(q, *inflight, depth, *cache, mask, scale, fractions, capacities)
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels import reference_attention as ra
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
 
-    K = _kernels()
     S, D = k_base.shape[2], 2 * k_base.shape[3]
-    if sd.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
+    if ra.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
         # one query row per kv head: the bulk in the code domain, a window of the ring and
         # in-flight tokens read
         lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
-        return sd.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
+        return ra.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
                                              linear=(cache, depth, lo))
     # other shapes: the whole history read, then the reference over it
     grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
     k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
     v = torch.empty_like(k)
-    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton)
-    return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
+    launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton)
+    return ra.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
 
 
 def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float, *,
                            block_p: int | None = None) -> Tensor:
     """packed_correction_attention's body for one query row per kv head (the default): the
     selected keys reconstructed and attended in registers, one softmax partial per tile
-    (``packed_kv.launch_packed_read_attend``), then combined with O_ref - C_ref
-    (``sparse_decode.correction_combine_triton``): the read-then-correct values without the BF16
+    (``packed_read.launch_packed_read_attend``), then combined with O_ref - C_ref
+    (``correction.correction_combine_triton``): the read-then-correct values without the BF16
     copy of the selected keys. Runs the Triton kernels (the interpreter's on CPU tensors: tests);
     ``block_p``: keys per program (tests)."""
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels.correction import correction_combine_triton
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read_attend
 
-    K = _kernels()
-    part_m, part_l, part_acc, nt = K.launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
+    part_m, part_l, part_acc, nt = launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
                                                                 wrap=wrap_triton, block_p=block_p)
     out = torch.empty_like(q)
     # 8 warps past 32 partials per row (103 at 32K): the [partials, D] tile stays in registers
-    sd.correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True,
+    correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True,
                                  num_warps=4 if nt <= 32 else 8)
     return out
 
@@ -621,19 +624,19 @@ def _packed_correction_attention(
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, *inflight,
                                                                     depth, *cache, scale)
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels.correction import correction_attention_triton
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read, read_attend_fits
 
-    K = _kernels()
     hkv, D = k_base.shape[1], 2 * k_base.shape[3]
-    if K.read_attend_fits(q, cache):
+    if read_attend_fits(q, cache):
         return correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
     # several query rows or query heads per kv head: the compact read, then the correction over it
     sel = selected_positions(keys, count, hkv)
     shape = (q.shape[0], hkv, sel.shape[-1], D)
     k_sel = torch.empty(shape, dtype=k_tail.dtype, device=q.device)
     v_sel = torch.empty_like(k_sel)
-    K.launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=inflight, wrap=wrap_triton)
-    return sd.correction_attention_triton(q, k_sel, v_sel, local_keys(keys, hkv), count, mass, o_ref, c_ref, scale,
+    launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=inflight, wrap=wrap_triton)
+    return correction_attention_triton(q, k_sel, v_sel, local_keys(keys, hkv), count, mass, o_ref, c_ref, scale,
                                           wrap=True)
 
 
@@ -643,7 +646,7 @@ def _mma_linear_scores(q: T_, k: T_, mask: T_, probs: T_, part_m: T_, part_l: T_
                        rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
     """The code-domain reference scores on tensor cores (kernels/gluon_scores.py, a Gluon kernel:
     opaque to Inductor, whose wrap_triton analyses tl kernels only), launched by
-    sparse_decode.reference_attention_triton: fills probs [B * Hkv, S] and the split partials
+    reference_attention.reference_attention_triton: fills probs [B * Hkv, S] and the split partials
     part_m / part_l [B * Hkv, split] as _scores_linear_kernel does. Registered here with the other
     ops, on import: Inductor's cached code calls it by name, in a process that may never have traced
     the reference's body."""
@@ -663,7 +666,7 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
                    v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
                    rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
     """The code-domain reference PV on tensor cores (kernels/gluon_pv.py, Gluon: opaque to
-    Inductor), launched by sparse_decode.reference_attention_triton: fills the split partials
+    Inductor), launched by reference_attention.reference_attention_triton: fills the split partials
     part_o [split, 2 R, D] / part_mass [split, 2 R] as _pv_linear_kernel does. Registered on
     import, as mma_linear_scores."""
     from flashloop_compile.lowering.kernels.gluon_pv import launch_pv

@@ -101,7 +101,7 @@ def test_write_and_attention_match_aten(B, S, lengths):
     pos = torch.arange(max(starts), device="cuda")[None].repeat(B, 1)
     for b, n in enumerate(starts):
         pos[b, n:] = -1
-    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import packed_decode as PD, packed_read as PR, sparse_config as SC
 
     for d in range(R):
         ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d, *P.no_inflight(ca, B, pos.device))
@@ -109,7 +109,7 @@ def test_write_and_attention_match_aten(B, S, lengths):
         assert torch.equal(ka, kk) and torch.equal(va, vk)
         # the generic read alone writes the same values
         gk, gv = torch.empty_like(kk), torch.empty_like(vk)
-        K.launch_packed_read(ck.op_tensors(0), pos, d, gk, gv, bulk=False)
+        PR.launch_packed_read(ck.op_tensors(0), pos, d, gk, gv, bulk=False)
         assert torch.equal(ka, gk) and torch.equal(va, gv), f"generic read, depth {d}"
         # scattered per-head positions (a correction's selected keys): bulk tiles and the rest
         sel = torch.randint(-1, max(starts), (B, H, 600), device="cuda")
@@ -126,7 +126,7 @@ def test_write_and_attention_match_aten(B, S, lengths):
         assert torch.equal(kk[:, :, 0], flight[1][:, :, 0])
         # into poisoned outputs: the one launch writes every row
         fk, fv = torch.full_like(kk, float("nan")), torch.full_like(vk, float("nan"))
-        K.launch_packed_read(ck.op_tensors(0), sel, d, fk, fv, inflight=flight)
+        PR.launch_packed_read(ck.op_tensors(0), sel, d, fk, fv, inflight=flight)
         assert torch.equal(ka, fk) and torch.equal(va, fv), f"poisoned read, depth {d}"
 
 
@@ -195,10 +195,10 @@ def test_cuda_graph_replay_equals_eager():
 
 @pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2}], ids=["defaults", "bn16_stages2"])
 def test_torch_compile_fullgraph(fast_decode, monkeypatch):
-    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import packed_decode as PD, packed_read as PR, sparse_config as SC
 
     for key, value in fast_decode.items():
-        monkeypatch.setitem(K.FAST_DECODE, key, value)
+        monkeypatch.setitem(PD.FAST_DECODE, key, value)
     torch._dynamo.reset()
     B, S = 2, 4096
     g = torch.Generator().manual_seed(3)
@@ -265,12 +265,12 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
     # the window (ring, in-flight token) included; q' in fp16 moves scores by ~1e-3, so outputs
     # agree within the bf16 tolerance, counts exactly, and almost all selected keys
     from flashloop_compile.lowering.kernels import gluon_scores
-    from flashloop_compile.lowering.kernels import sparse_decode as SD
+    from flashloop_compile.lowering.kernels import packed_decode as PD, packed_read as PR, sparse_config as SC
 
     torch._dynamo.reset()
     c, args = _reference_case(12)
     q = args[0]
-    assert gluon_scores.fits(q, D, c.group_size, SD.DEFAULT_CONFIG.block_n_linear, 1)
+    assert gluon_scores.fits(q, D, c.group_size, SC.DEFAULT_CONFIG.block_n_linear, 1)
     with monkeypatch.context() as m:
         m.setattr(gluon_scores, "fits", lambda *a: False)
         tl_out = torch.ops.flashloop.packed_reference_attention(*args)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import packed_attention as PA
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import nested_residual_cache
 
@@ -65,7 +65,7 @@ def _check_decode(cache, dtype, tuning, tol):
     for depth in range(R):
         ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, depth, *cache.op_tensors(0), 0.1)
         out = torch.empty_like(q)
-        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2, tuning=tuning)
+        PA.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2, tuning=tuning)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import packed_attention as PA, packed_read as PR, packed_write as PW
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import batched_depth_call, batched_inflight, scenario
 
@@ -15,20 +15,20 @@ H, D, R, S = 2, 64, 4, 256
 
 
 def write_kernel(cache, layer, k, v, pos, depth, chunks=None):
-    K.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth, chunks=chunks)
+    PW.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth, chunks=chunks)
 
 
 def read_kernel(cache, layer, pos, depth, **kw):
     shape = (pos.shape[0], cache.kv_heads, pos.shape[-1], cache.head_dim)
     out_k = torch.empty(shape, dtype=cache.dtype)
     out_v = torch.empty(shape, dtype=cache.dtype)
-    K.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v, **kw)
+    PR.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v, **kw)
     return out_k, out_v
 
 
 def attention_kernel(cache, layer, q, ki, vi, qpos, ipos, depth, scale, **kw):
     out = torch.empty_like(q)
-    K.launch_packed_attention(cache.op_tensors(layer), q, ki, vi, qpos, ipos, depth, scale, out, **kw)
+    PA.launch_packed_attention(cache.op_tensors(layer), q, ki, vi, qpos, ipos, depth, scale, out, **kw)
     return out
 
 
@@ -288,7 +288,7 @@ def test_scattered_keys_are_read_by_the_bulk_kernel_alone(monkeypatch, split, he
     # token-sparse residuals (depths 2-3 on nested subsets); head 1's second 16-position tile holds
     # a tail position (the bulk test refuses it), read on ``split`` sub-tiles. The bulk kernel
     # alone (the generic kernel disabled, outputs poisoned) writes every row as the ATen body reads it.
-    monkeypatch.setattr(K, "_read_kernel", _Skipped())
+    monkeypatch.setattr(PR, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()
     sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
     sel[0, 1, 16:] = torch.tensor(head1_tile2)
@@ -296,7 +296,7 @@ def test_scattered_keys_are_read_by_the_bulk_kernel_alone(monkeypatch, split, he
         ka, va = P.packed_read_aten(*cache.op_tensors(0), sel, d, *P.no_inflight(cache, 1, sel.device))
         kk = torch.full((1, H, 32, D), float("nan"))
         vk = torch.full_like(kk, float("nan"))
-        K.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, block_p=16, split=split)
+        PR.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, block_p=16, split=split)
         assert torch.equal(ka, kk) and torch.equal(va, vk), f"depth {d}"
 
 
@@ -327,7 +327,7 @@ def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
     # stays NaN); "generic": the generic kernel alone
     bulk = mode == "bulk"
     if bulk:
-        monkeypatch.setattr(K, "_read_kernel", _Skipped())
+        monkeypatch.setattr(PR, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()
     for inflight_pos in ([[450]], [[100, -1]]):
         ip = torch.tensor(inflight_pos)
@@ -342,7 +342,7 @@ def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
                 ka, va = P.packed_read_aten(*cache.op_tensors(0), positions, d, ip, ki, vi)
                 out_k = torch.full((1, H, positions.shape[-1], D), float("nan"))
                 out_v = torch.full_like(out_k, float("nan"))
-                K.launch_packed_read(cache.op_tensors(0), positions, d, out_k, out_v, inflight=(ip, ki, vi),
+                PR.launch_packed_read(cache.op_tensors(0), positions, d, out_k, out_v, inflight=(ip, ki, vi),
                                      bulk=bulk, block_p=64 if positions is whole else 16)
                 assert torch.equal(ka, out_k) and torch.equal(va, out_v), (inflight_pos, positions.dim(), d)
             # the overlay is there (not only equal to the ATen body): the first token's rows, exactly

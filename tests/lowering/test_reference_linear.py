@@ -10,15 +10,12 @@ outranks every key left (up to the tolerance), and the count is exact."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from flashloop_compile.config import ceil_fraction
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
-from flashloop_compile.lowering.kernels import sparse_decode as sd
+from flashloop_compile.lowering.kernels import packed_read as PR, reference_attention as RA
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import nested_residual_cache
 
@@ -44,11 +41,11 @@ def _step(g, dtype, padded_row: bool = False):
 
 def _linear(cache, q, ki, vi, ip, mask, depth, fractions, capacities):
     tensors = cache.op_tensors(0)
-    lo, window = sd.linear_window(tensors, depth, ip)
+    lo, window = RA.linear_window(tensors, depth, ip)
     kw = torch.full((B, H, window.shape[1], D), float("nan"), dtype=q.dtype)
     vw = torch.full_like(kw, float("nan"))
-    K.launch_packed_read(tensors, window, depth, kw, vw, inflight=(ip, ki, vi))
-    return lo, window, sd.reference_attention_triton(q, kw, vw, mask, 0.125, fractions, capacities,
+    PR.launch_packed_read(tensors, window, depth, kw, vw, inflight=(ip, ki, vi))
+    return lo, window, RA.reference_attention_triton(q, kw, vw, mask, 0.125, fractions, capacities,
                                                      linear=(tensors, depth, lo))
 
 
@@ -122,7 +119,7 @@ def test_linear_reference_rejects_what_it_does_not_cover(heads, fractions):
     ip = torch.tensor(LENGTHS)[:, None]
     kw = torch.zeros(B, H, 192, D)
     mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
-    assert not sd.linear_fits(q, H, D, 64, fractions)
+    assert not RA.linear_fits(q, H, D, 64, fractions)
     with pytest.raises(ValueError, match="one query row per kv head, one key fraction"):
-        sd.reference_attention_triton(q, kw, kw, mask, 0.1, fractions, [26] * len(fractions),
+        RA.reference_attention_triton(q, kw, kw, mask, 0.1, fractions, [26] * len(fractions),
                                       linear=(cache.op_tensors(0), 1, ip[:, 0]))

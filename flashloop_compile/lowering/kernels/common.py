@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["next_pow2", "sm_count", "no_wrap", "wrap_triton", "stored_end", "key_counts", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["next_pow2", "sm_count", "cpu_semantics", "no_wrap", "wrap_triton", "stored_end", "key_counts", "SUPPORTED_HEAD_DIMS"]
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # position_attention's constexpr head dims
 
@@ -25,6 +25,12 @@ def sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def cpu_semantics(device: torch.device) -> bool:
+    """Whether launchers pick the interpreter's launch choices (FP32 dots, its own tiles): on CPU
+    tensors. scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
+    return device.type != "cuda"
 
 
 # launch options Triton takes besides the kernel's parameters

@@ -1,5 +1,5 @@
 """The loop-2 reference's PV products in the code domain (O_ref, C_ref, the mass) on fp16 tensor
-cores, in Gluon: the twin of ``gluon_scores.py`` for ``sparse_decode._pv_linear_kernel``.
+cores, in Gluon: the twin of ``gluon_scores.py`` for ``reference_attention._pv_linear_kernel``.
 
 Per (row = b * Hkv + hk, split of the history) the kernel computes, for slot 0 (every key) and
 slot 1 (the selected keys: key(p) > thr, or == thr at positions <= cut), sum_n p_slot[n] v[n] with
@@ -167,7 +167,7 @@ if gluon is not None:
 
     @gluon.jit
     def _selected(pv, n, thr, cut):
-        """sparse_decode._prob_key(pv) > thr, or == thr at positions n <= cut."""
+        """selection._prob_key(pv) > thr, or == thr at positions n <= cut."""
         bits = pv.to(gl.int32, bitcast=True)
         key = gl.where(pv >= 0.0, gl.minimum(bits, (1 << 30) - 2) + 1, 0)
         return (key > thr) | ((key == thr) & (n <= cut))

@@ -1,6 +1,6 @@
 """The code-domain reference scores (loop 2 under quantization) on fp16 tensor cores, in Gluon.
 
-``sparse_decode._scores_linear_kernel`` (Triton ``tl``) spends about 7.6 instructions per INT4 code:
+``reference_attention._scores_linear_kernel`` (Triton ``tl``) spends about 7.6 instructions per INT4 code:
 ``tl`` picks the register layout, and every thread holds a few channels of a few keys, so the
 unpack, an fp16 -> fp32 conversion and an FMA are paid per code. Here the product
 q . k is an fp16 MMA (m16n8k16) computing scores^T [keys, 8] = codes [keys, D] x q' [D, 8]:

@@ -1,5 +1,5 @@
-"""Triton kernels for sparse decode attention (SPEC.md section 2): the CUDA bodies of
-``flashloop::reference_attention`` and ``flashloop::correction_attention``.
+"""Triton kernels of sparse decode's loop-2 reference (SPEC.md section 2): the CUDA body of
+``flashloop::reference_attention``, over dense K/V or, in the code domain, over the packed cache.
 
 Launchers (plain Python, host-sync free: only ``kernel[grid](...)`` launches and torch ops
 that never read device values on the host, so they run inside CUDA graphs and, through
@@ -7,27 +7,13 @@ that never read device values on the host, so they run inside CUDA graphs and, t
 
 - :func:`reference_attention_triton` returns exactly what ``ops._reference_attention_aten``
   returns: ``(out, keys, count, mass, o_ref, c_ref)``.
-- :func:`correction_attention_triton` returns what ``ops._correction_attention_aten`` returns.
 
 Reference pipeline (R = B * Hq * T query rows, M = (Hq // Hkv) * T rows per kv head):
 
 1. ``_scores_kernel``  grid (B*Hkv, SPLIT_A, cdiv(M, BLOCK_M)): one read of K; for every query
    row of the kv group computes FP32 scores ``s = q.k * scale`` (-inf where the mask hides the
    key) into a scratch ``[R, S]`` buffer plus per-split online-softmax partials (max, sumexp).
-2. Top-k selection, a radix select over the bit pattern of the probability, split over
-   ``SPLIT_B`` programs per row (digits of RADIX_BITS = 8 bits: 8, 8, 8, 6; probabilities are in
-   [0, 1] so the sortable key ``bits(p) + 1`` (0 for invisible keys) is below 2**30;
-   ``tl.histogram`` cost grows with the bin count, 256 bins measured fastest on an H200):
-   - ``_select_first_kernel`` grid (R, SPLIT_B): row normalizer from the partials, rewrites the
-     scratch row in place with ``p`` (-1.0 for invisible keys; later kernels never recompute an
-     exponential, so every kernel sees bit-identical probabilities) and histograms digit 0;
-   - ``_select_level_kernel`` grid (R, SPLIT_B), once per further digit: reduces the previous
-     digit's per-chunk histograms, picks the digit holding the k-th largest key and histograms
-     the next digit inside that bucket;
-   - ``_select_compact_kernel`` grid (R, SPLIT_B): picks the last digit (the exact k-th largest
-     key K*), derives how many keys equal to K* to take (lowest indices first), and writes the
-     selected indices (ascending) with a cumsum compaction; stores K* and the index of the last
-     tie taken, so the predicate ``key > K* or (key == K* and index <= cut)`` reproduces the set.
+2. Top-k selection: selection.py's radix select over the scratch row.
 3. ``_pv_kernel`` grid (B*Hkv, SPLIT_C, cdiv((F+1)*M, BLOCK_E)): one read of V; the rows of the
    dot are (slot, query row) pairs, slot 0 = all keys (O_ref), slot 1+f = the keys of fraction
    f (C_ref and mass), so O_ref and every C_ref come out of the same pass over V. For bf16 V the
@@ -40,10 +26,6 @@ Bytes (bf16, T=1, Hq=Hkv, D=128): K and V are read once (512 B per key and kv he
 decode attention); the FP32 score/probability row adds 4 B per key and query row, written once
 and re-read by the selection passes and the PV pass (~28 B per key and row, mostly L2 hits).
 
-Correction: ``_correction_kernel`` grid (R, SPLIT_K) gathers the selected K/V rows of each
-query row, runs an online softmax and, with one split, writes ``O_ref - C_ref + m * local``
-directly; with several splits ``_correction_combine_kernel`` merges the partials.
-
 Semantics decided here (identical to the ATen bodies whenever ``count <= capacity``, which the
 passes guarantee by using ``capacity = ceil(f * S)``): fraction f selects
 ``min(count_f, capacity_f)`` keys, ranked by probability (descending), equal probabilities to
@@ -52,29 +34,19 @@ the lower index, invisible keys after all visible ones (so never taken while ``f
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels import gluon_pv, gluon_scores
-from flashloop_compile.lowering.kernels.common import first_inflight, key_counts, next_pow2, no_wrap, sm_count, wrap_triton
-from flashloop_compile.lowering.kernels.packed_kv import (
-    _bulk_k, _bulk_residual_rows, _bulk_v, _code_units, _flushed_min, _fp16_halves, _linear_scores, _round_to, _row_bases,
-    _row_sums, _word_groups, _word_pairs,
-)
+from flashloop_compile.lowering.kernels import common, gluon_pv, gluon_scores
+from flashloop_compile.lowering.kernels import sparse_config as sc
+from flashloop_compile.lowering.kernels.common import first_inflight, key_counts, next_pow2, sm_count
+from flashloop_compile.lowering.kernels.packed_codec import _bulk_residual_rows, _geometry, _row_bases
+from flashloop_compile.lowering.kernels.packed_code_domain import _code_units, _linear_scores, _row_sums, _word_groups, _word_pairs
+from flashloop_compile.lowering.kernels.selection import _prob_key, radix_digits, radix_select
+from flashloop_compile.lowering.kernels.sparse_config import KernelConfig, Launcher, cdiv, split_range
 
-__all__ = ["reference_attention_triton", "correction_attention_triton", "correction_combine_triton", "KernelConfig", "linear_fits",
-           "linear_window"]
-
-RADIX_BITS = 8  # 4 digits (8, 8, 8, 6 bits) cover the 30-bit probability keys
-KEY_BITS = 30
-
-
-# ------------------------------------------------------------------------------------------
-# kernels
-# ------------------------------------------------------------------------------------------
+__all__ = ["reference_attention_triton", "linear_fits", "linear_window"]
 
 
 @triton.jit
@@ -215,177 +187,6 @@ def _scores_linear_kernel(
     l_i = tl.sum(l_v * tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0)), 0)
     tl.store(pm_ptr + row * SPLIT + pid_s, m_i)
     tl.store(pl_ptr + row * SPLIT + pid_s, l_i)
-
-
-@triton.jit
-def _prob_key(v):
-    """Sortable int32 key of a stored probability: bits(p) + 1 for p >= 0, 0 for invisible (-1)."""
-    bits = v.to(tl.int32, bitcast=True)
-    return tl.where(v >= 0.0, tl.minimum(bits, (1 << 30) - 2) + 1, 0)
-
-
-@triton.jit
-def _pick_digit(h, rnk, NB: tl.constexpr):
-    """Bucket holding the rnk-th largest element of histogram h, and the count above it."""
-    bins = tl.arange(0, NB)
-    suffix = tl.cumsum(h, 0, reverse=True)
-    d = tl.maximum(tl.sum((suffix >= rnk).to(tl.int32), 0) - 1, 0)
-    above = tl.sum(tl.where(bins > d, h, 0), 0)
-    return d, above
-
-
-@triton.jit
-def _normalize_hist(p_row, pm_row, pl_row, SPLIT_A, start, end, lo,
-                    SPLIT_A_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """Rewrites positions start..end - 1 of a row of scaled scores with their probabilities (the
-    row normalizer from the split partials pm_row / pl_row; -1.0 for invisible keys) and returns
-    the histogram [NB] of the probability keys' digit at lo."""
-    sa = tl.arange(0, SPLIT_A_P2)
-    pm = tl.load(pm_row + sa, mask=sa < SPLIT_A, other=float("-inf"))
-    pl = tl.load(pl_row + sa, mask=sa < SPLIT_A, other=0.0)
-    m = tl.max(pm, 0)
-    m = tl.where(m > float("-inf"), m, 0.0)  # a row without visible keys: every v is -1 below
-    inv_l = 1.0 / tl.maximum(tl.sum(pl * tl.exp(pm - m), 0), 1e-30)
-    hist = tl.zeros([NB], tl.int32)
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        n_ok = n < end
-        s = tl.load(p_row + n, mask=n_ok, other=float("-inf"))
-        v = tl.where(s > float("-inf"), tl.exp(s - m) * inv_l, -1.0)
-        tl.store(p_row + n, v, mask=n_ok)
-        hist += tl.histogram((_prob_key(v) >> lo) & (NB - 1), NB, mask=n_ok)
-    return hist
-
-
-@triton.jit
-def _digit_hist(p_row, start, end, pre, prev_lo, cur_lo, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """Histogram [NB] of the digit at cur_lo of the probability keys at positions start..end - 1
-    of a row whose higher digits (from prev_lo up) equal pre."""
-    hist = tl.zeros([NB], tl.int32)
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        n_ok = n < end
-        key = _prob_key(tl.load(p_row + n, mask=n_ok, other=-1.0))
-        hist += tl.histogram((key >> cur_lo) & (NB - 1), NB, mask=n_ok & ((key >> prev_lo) == pre))
-    return hist
-
-
-@triton.jit
-def _compact_range(p_row, keys_row, start, end, kstar, need, taken, ties, KMAX, BLOCK: tl.constexpr):
-    """Writes the selected positions in start..end - 1 (key > K*, or == K* among the first `need`
-    ties of the row) to keys_row at their ranks, given the keys taken and the ties seen before
-    start; returns the position of the last tie taken here (-1 if none)."""
-    cut = tl.full([], -1, tl.int32)
-    for n0 in range(start, end, BLOCK):
-        n = n0 + tl.arange(0, BLOCK)
-        n_ok = n < end
-        key = _prob_key(tl.load(p_row + n, mask=n_ok, other=-1.0))
-        eq = n_ok & (key == kstar)
-        eq_i = eq.to(tl.int32)
-        eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
-        tie_take = eq & (eq_rank < need)
-        take = (n_ok & (key > kstar)) | tie_take
-        take_i = take.to(tl.int32)
-        pos = taken + tl.cumsum(take_i, 0) - take_i
-        tl.store(keys_row + pos, n, mask=take & (pos < KMAX))
-        cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
-        ties += tl.sum(eq_i, 0)
-        taken += tl.sum(take_i, 0)
-    return cut
-
-
-@triton.jit
-def _select_first_kernel(
-    p_ptr, pm_ptr, pl_ptr, hist_ptr,
-    S, SPLIT_A, CHUNK, SPLIT,
-    SPLIT_A_P2: tl.constexpr, LO: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    start = c * CHUNK
-    hist = _normalize_hist(p_ptr + row * S, pm_ptr + row * SPLIT_A, pl_ptr + row * SPLIT_A, SPLIT_A, start,
-                           tl.minimum(start + CHUNK, S), LO, SPLIT_A_P2, NB, BLOCK)
-    tl.store(hist_ptr + (row * SPLIT + c) * NB + tl.arange(0, NB), hist)
-
-
-@triton.jit
-def _select_level_kernel(
-    p_ptr, kk_ptr, hprev_ptr, hcur_ptr, pre_prev_ptr, rnk_prev_ptr, pre_cur_ptr, rnk_cur_ptr, above_ptr,
-    S, R, J, CHUNK, SPLIT,
-    FIRST: tl.constexpr, SHARED_PREV: tl.constexpr,
-    PREV_LO: tl.constexpr, PREV_WIDTH: tl.constexpr, CUR_LO: tl.constexpr,
-    NB: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Digit `level-1` is fixed from the previous histograms, digit `level` is histogrammed."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    bins = tl.arange(0, NB)
-    for j in range(J):
-        jr = j * R + row
-        if FIRST:
-            pre = tl.zeros([], tl.int32)
-            rnk = tl.load(kk_ptr + jr)
-        else:
-            pre = tl.load(pre_prev_ptr + jr)
-            rnk = tl.load(rnk_prev_ptr + jr)
-        if SHARED_PREV:
-            hrow = hprev_ptr + row * SPLIT * NB
-        else:
-            hrow = hprev_ptr + jr * SPLIT * NB
-        h = tl.zeros([NB], tl.int32)
-        for c2 in range(SPLIT):
-            h += tl.load(hrow + c2 * NB + bins)
-        d, above = _pick_digit(h, rnk, NB)
-        pre = (pre << PREV_WIDTH) | d
-        rnk = rnk - above
-        tl.store(pre_cur_ptr + jr, pre, mask=c == 0)
-        tl.store(rnk_cur_ptr + jr, rnk, mask=c == 0)
-        mine = tl.load(hrow + c * NB + bins)
-        mine_above = tl.sum(tl.where(bins > d, mine, 0), 0)
-        if not FIRST:
-            mine_above += tl.load(above_ptr + jr * SPLIT + c)
-        tl.store(above_ptr + jr * SPLIT + c, mine_above)
-        start = c * CHUNK
-        hist = _digit_hist(p_ptr + row * S, start, tl.minimum(start + CHUNK, S), pre, PREV_LO, CUR_LO, NB, BLOCK)
-        tl.store(hcur_ptr + (jr * SPLIT + c) * NB + bins, hist)
-
-
-@triton.jit
-def _select_compact_kernel(
-    p_ptr, kk_ptr, hprev_ptr, pre_prev_ptr, rnk_prev_ptr, above_ptr, keys_ptr, thr_ptr, cut_ptr,
-    S, R, J, CHUNK, SPLIT, KMAX,
-    PREV_WIDTH: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    bins = tl.arange(0, NB)
-    for j in range(J):
-        jr = j * R + row
-        k = tl.load(kk_ptr + jr)
-        pre = tl.load(pre_prev_ptr + jr)
-        rnk = tl.load(rnk_prev_ptr + jr)
-        hrow = hprev_ptr + jr * SPLIT * NB
-        h = tl.zeros([NB], tl.int32)
-        for c2 in range(SPLIT):
-            h += tl.load(hrow + c2 * NB + bins)
-        d, above = _pick_digit(h, rnk, NB)
-        kstar = (pre << PREV_WIDTH) | d  # the exact k-th largest key
-        need = rnk - above  # how many keys equal to K* are taken (lowest indices first)
-        kstar = tl.where(k > 0, kstar, 2147483647)
-        need = tl.where(k > 0, need, 0)
-        tl.store(thr_ptr + jr, kstar, mask=c == 0)
-        # keys taken and ties seen in the chunks before this one
-        taken = tl.zeros([], tl.int32)
-        ties = tl.zeros([], tl.int32)
-        for c2 in range(c):
-            hc = tl.load(hrow + c2 * NB + bins)
-            taken += tl.load(above_ptr + jr * SPLIT + c2) + tl.sum(tl.where(bins > d, hc, 0), 0)
-            ties += tl.sum(tl.where(bins == d, hc, 0), 0)
-        taken += tl.minimum(ties, need)
-        start = c * CHUNK
-        cut = _compact_range(p_ptr + row * S, keys_ptr + jr * KMAX, start, tl.minimum(start + CHUNK, S), kstar, need,
-                             taken, ties, KMAX, BLOCK)
-        tl.store(cut_ptr + jr, cut, mask=cut >= 0)
 
 
 @triton.jit
@@ -548,133 +349,9 @@ def _pv_combine_kernel(
         tl.store(mass_ptr + (e - R), msum)
 
 
-@triton.jit
-def _correction_kernel(
-    q_ptr, k_ptr, v_ptr, keys_ptr, count_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr,
-    pm_ptr, pl_ptr, pacc_ptr,
-    HQ, T, G, KMAX, CHUNK, SPLIT, scale,
-    sqb, sqh, sqt, sqd,
-    skb, skh, sks, skd,
-    svb, svh, svs, svd,
-    sob, soh, sot, sod,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr, STAGES: tl.constexpr = 1,
-):
-    """STAGES (KernelConfig.num_stages_corr): software-pipelined key tiles (cp.async gathers, the
-    index load a stage ahead of the K/V rows it addresses); 1: a plain loop."""
-    row = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    scale_f = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
-    t = row % T
-    h = (row // T) % HQ
-    b = (row // (T * HQ)).to(tl.int64)
-    hk = (h // G).to(tl.int64)
-    row64 = row.to(tl.int64)
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + h * sqh + t * sqt + dd * sqd).to(tl.float32)
-    cnt = tl.minimum(tl.load(count_ptr + row64), KMAX)
-    start = pid_s * CHUNK
-    end = tl.minimum(start + CHUNK, cnt)
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc = tl.zeros([D], tl.float32)
-    k_base = k_ptr + b * skb + hk * skh
-    v_base = v_ptr + b * svb + hk * svh
-    for j0 in tl.range(start, end, BLOCK_K, num_stages=STAGES):
-        j = j0 + tl.arange(0, BLOCK_K)
-        j_ok = j < end
-        idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
-        kt = tl.load(k_base + idx[:, None] * sks + dd[None, :] * skd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(kt * q[None, :], 1) * scale_f
-        s = tl.where(j_ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp(m_i - m_new)  # m_new is finite: the block holds a valid key
-        p = tl.exp(s - m_new)
-        vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * vt, 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
-    if FINAL:
-        local = tl.where(l_i > 0.0, acc / tl.maximum(l_i, 1e-30), 0.0)
-        o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
-        tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
-    else:
-        tl.store(pm_ptr + row64 * SPLIT + pid_s, m_i)
-        tl.store(pl_ptr + row64 * SPLIT + pid_s, l_i)
-        tl.store(pacc_ptr + (row64 * SPLIT + pid_s) * D + dd, acc)
-
-
-@triton.jit
-def _correction_combine_kernel(
-    pm_ptr, pl_ptr, pacc_ptr, mass_ptr, oref_ptr, cref_ptr, out_ptr,
-    HQ, T, SPLIT,
-    sob, soh, sot, sod,
-    D: tl.constexpr, SPLIT_P2: tl.constexpr,
-):
-    row = tl.program_id(0)
-    t = row % T
-    h = (row // T) % HQ
-    b = (row // (T * HQ)).to(tl.int64)
-    row64 = row.to(tl.int64)
-    sp = tl.arange(0, SPLIT_P2)
-    sp_ok = sp < SPLIT
-    dd = tl.arange(0, D)
-    pm = tl.load(pm_ptr + row64 * SPLIT + sp, mask=sp_ok, other=float("-inf"))
-    pl = tl.load(pl_ptr + row64 * SPLIT + sp, mask=sp_ok, other=0.0)
-    pacc = tl.load(pacc_ptr + (row64 * SPLIT + sp[:, None]) * D + dd[None, :], mask=sp_ok[:, None], other=0.0)
-    m = tl.max(pm, 0)
-    w = tl.exp(pm - tl.where(m > float("-inf"), m, 0.0))
-    l = tl.sum(pl * w, 0)
-    acc = tl.sum(pacc * w[:, None], 0)
-    local = tl.where(l > 0.0, acc / tl.maximum(l, 1e-30), 0.0)
-    o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.load(mass_ptr + row64) * local
-    tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
-
-
-# ------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # launchers
-# ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-    """Tile sizes and split targets. ``None`` splits are chosen from the SM count."""
-
-    block_n: int = 64  # keys per tile in the scores / PV kernels
-    block_sel: int = 2048  # keys per tile in the selection (histogram) kernels
-    block_compact: int = 1024  # keys per tile in the compaction kernel (divides block_sel)
-    block_k: int = 64  # selected keys per tile in the correction kernel
-    min_sel_chunk: int = 2048  # fewest keys one selection program handles
-    split_kv: int | None = None  # splits of S for the scores / PV kernels
-    split_sel: int | None = None  # programs per row in the selection kernels
-    split_corr: int | None = None  # splits of the selected set in the correction kernel
-    num_warps_kv: int = 4
-    num_stages_kv: int = 3
-    block_n_pv: int | None = 32  # keys per tile in the PV kernel (None: block_n)
-    num_warps_pv: int = 4
-    num_stages_pv: int = 4
-    num_warps_sel: int = 8
-    num_warps_compact: int = 4
-    num_warps_corr: int = 4
-    # correction kernel: software-pipelined key tiles (1: a plain loop). 2: cp.async gathers, the
-    # index load a stage ahead; per correction site 5-14% faster at B1/B4 x 32K x depth 1/3 than 1,
-    # and than 3 or 32-key tiles (H200)
-    num_stages_corr: int = 2
-    block_n_linear: int = 64  # keys per tile of the code-domain (linear) scores kernel (divides the group)
-    block_n_pv_linear: int = 32  # ... and of its PV kernel (divides block_n_linear)
-    num_warps_linear: int = 4
-    num_stages_linear: int = 3
-    waves_linear: int = 4  # linear kernels: splits of S for about this many programs per SM (with split_kv None)
-
-
-# The launch parameters on CUDA and in the interpreter (CPU tensors: small tiles, the one-split
-# correction, its FINAL path; tests pass their own configs to split).
-DEFAULT_CONFIG = KernelConfig()
-INTERPRETER_CONFIG = KernelConfig(block_n=16, block_n_pv=16, block_sel=64, block_compact=32, block_k=16, min_sel_chunk=64,
-                                  block_n_linear=16, block_n_pv_linear=16, split_corr=1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# ------------------------------------------------------------------------------------------------
 
 
 def _linear_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
@@ -682,7 +359,7 @@ def _linear_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
     cfg.waves_linear programs per SM, and at least 32 per row (at most 128). H200, 32K, one
     site (sessions 8-9): at B1 (16 rows) 4 waves = 33 splits beat 66 by 2-4%; at B4 (64 rows) 9
     splits lost 5-7% to 17 and 33 (589/912 vs 624/975 us at depth 1/3)."""
-    return min(128, max(32, _cdiv(cfg.waves_linear * n_sm, rows)))
+    return min(128, max(32, cdiv(cfg.waves_linear * n_sm, rows)))
 
 
 def _mma_scores_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
@@ -693,62 +370,13 @@ def _mma_scores_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
     return min(128, max(_linear_splits(cfg, n_sm, rows), (8 * n_sm) // rows))
 
 
-def _split(total: int, block: int, want: int) -> tuple[int, int]:
-    """(chunk, splits): `total` items in `splits` chunks of `chunk` (a multiple of `block`)."""
-    want = max(1, min(int(want), _cdiv(total, block)))
-    chunk = _cdiv(_cdiv(total, want), block) * block
-    return chunk, _cdiv(total, chunk)
-
-
-def _check_runnable(device: torch.device) -> None:
-    interpreted = type(_scores_kernel).__name__ == "InterpretedFunction"
-    if device.type == "cuda" and interpreted:
-        raise RuntimeError("TRITON_INTERPRET=1 was set when triton was imported: these kernels are interpreted, not compiled for CUDA")
-    if device.type != "cuda" and not interpreted:
-        raise RuntimeError(f"Triton kernels on {device.type} tensors need TRITON_INTERPRET=1 set before triton is imported")
-
-
-class _Launcher:
-    """``kernel[grid](...)`` or ``torch.library.wrap_triton(kernel)[grid](...)``, every kernel
-    parameter passed (common.no_wrap / common.wrap_triton check it)."""
-
-    def __init__(self, wrap: bool):
-        self.wrap = wrap
-
-    def __call__(self, kernel, grid):
-        return (wrap_triton if self.wrap else no_wrap)(kernel)[grid]
-
-
-def _cpu_semantics(device: torch.device) -> bool:
-    """Launch choices for the interpreter (FP32 dots, its own tile config) on CPU tensors;
-    scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
-    return device.type != "cuda"
-
-
-def _config_for(device: torch.device, config: KernelConfig | None) -> KernelConfig:
-    if config is not None:
-        return config
-    return INTERPRETER_CONFIG if _cpu_semantics(device) else DEFAULT_CONFIG
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     # bf16/fp16 products are exact in FP32; FP32 operands need more than plain tf32.
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _radix_digits() -> list[tuple[int, int]]:
-    """(lo, width) of each digit, most significant first."""
-    digits, hi = [], KEY_BITS
-    while hi > 0:
-        lo = max(hi - RADIX_BITS, 0)
-        digits.append((lo, hi - lo))
-        hi = lo
-    return digits
-
-
 def _linear_args(linear):
     """The linear scores / PV kernels' packed-source arguments: ``linear`` = (cache tensors, depth, lo [B])."""
-    from flashloop_compile.lowering.kernels.packed_kv import _geometry
 
     tensors, depth, lo = linear
     (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -764,7 +392,7 @@ def linear_fits(q, k_heads: int, head_dim: int, group: int, fractions, config: K
     """Whether the code-domain reference applies: one query row per kv head (q [B, Hq, T, D] with
     Hq == Hkv and T == 1), one key fraction, a power-of-two head_dim and a key tile that lies in
     one K block."""
-    cfg = _config_for(q.device, config)
+    cfg = sc.config_for(q.device, config)
     return (q.shape[1] == k_heads and q.shape[2] == 1 and len(fractions) == 1
             and not head_dim & (head_dim - 1) and head_dim >= 8 and group % cfg.block_n_linear == 0 and cfg.block_n_linear % cfg.block_n_pv_linear == 0)
 
@@ -776,59 +404,18 @@ def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig 
     smallest, rounded down to the key tile; below it the reference reads the codes, from it on
     the NW positions (-1 past the cache) that packed_read must return. NW covers the ring
     (< 2 * tail tokens, tail = group), the in-flight tokens and both roundings. Device ops only."""
-    from flashloop_compile.lowering.kernels.packed_kv import _geometry
 
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     flushed = tensors[14]
     ip = inflight_positions
     bc, ti = ip.shape
-    bn = _config_for(ip.device, config).block_n_linear
+    bn = sc.config_for(ip.device, config).block_n_linear
     lim = first_inflight(ip, S)
     bound = torch.minimum(flushed[:bc, : depth + 1].amin(1).to(lim.dtype), lim)
     lo = torch.div(bound, bn, rounding_mode="floor") * bn
-    nw = min(_cdiv(2 * G + ti + 2 * bn, bn) * bn, _cdiv(S, bn) * bn)
+    nw = min(cdiv(2 * G + ti + 2 * bn, bn) * bn, cdiv(S, bn) * bn)
     pos = lo[:, None] + torch.arange(nw, device=ip.device, dtype=lo.dtype)[None]
     return lo, torch.where(pos < S, pos, -1)
-
-
-def _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t, n_sm, cfg, launch, dev):
-    """The radix select over SPLIT_B programs per row (first, level and compact kernels): the
-    selected keys [F, B, Hq, T, KMAX] (-1 padded), K* and the last tie taken [F, rows]."""
-    nb = 1 << RADIX_BITS
-    want = cfg.split_sel or min(_cdiv(4 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
-    chunk_b, split_b = _split(s, cfg.block_sel, want)
-    hist0 = torch.empty(rows, split_b, nb, dtype=torch.int32, device=dev)
-    launch(_select_first_kernel, (rows, split_b))(
-        probs, part_m, part_l, hist0,
-        s, split_a, chunk_b, split_b,
-        SPLIT_A_P2=next_pow2(split_a), LO=digits[0][0], NB=nb, BLOCK=cfg.block_sel,
-        num_warps=cfg.num_warps_sel,
-    )
-    above = torch.empty(f, rows, split_b, dtype=torch.int32, device=dev)  # written by the first level
-    hprev, pre_prev, rnk_prev = hist0, kk, kk  # pre/rnk unused at the first level
-    for level in range(1, len(digits)):
-        hcur = torch.empty(f, rows, split_b, nb, dtype=torch.int32, device=dev)
-        pre_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
-        rnk_cur = torch.empty(f, rows, dtype=torch.int32, device=dev)
-        launch(_select_level_kernel, (rows, split_b))(
-            probs, kk, hprev, hcur, pre_prev, rnk_prev, pre_cur, rnk_cur, above,
-            s, rows, f, chunk_b, split_b,
-            FIRST=level == 1, SHARED_PREV=level == 1,
-            PREV_LO=digits[level - 1][0], PREV_WIDTH=digits[level - 1][1], CUR_LO=digits[level][0],
-            NB=nb, BLOCK=cfg.block_sel,
-            num_warps=cfg.num_warps_sel,
-        )
-        hprev, pre_prev, rnk_prev = hcur, pre_cur, rnk_cur
-    keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
-    thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
-    cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
-    launch(_select_compact_kernel, (rows, split_b))(
-        probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut,
-        s, rows, f, chunk_b, split_b, kmax,
-        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=min(cfg.block_compact, cfg.block_sel),
-        num_warps=cfg.num_warps_compact,
-    )
-    return keys, thr, cut
 
 
 def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False,
@@ -842,9 +429,9 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     kernel: the compute-dtype rounding of K/V is not applied there); k/v [B, Hkv, NW, D] hold the
     NW positions lo[b] .. lo[b] + NW - 1 (packed_read of those positions), which must cover every
     visible key from lo[b] on."""
-    launch = _Launcher(wrap)
-    _check_runnable(q.device)
-    cfg = _config_for(q.device, config)
+    launch = Launcher(wrap)
+    sc.check_runnable(_scores_kernel, q.device)
+    cfg = sc.config_for(q.device, config)
     dev = q.device
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
@@ -856,7 +443,7 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
     rows = b * hq * t
     m_group = g * t
     n_sm = sm_count(dev)
-    upcast = _cpu_semantics(dev)  # the interpreter cannot run bf16 dots
+    upcast = common.cpu_semantics(dev)  # the interpreter cannot run bf16 dots
     precision = _dot_precision(q.dtype)
 
     mask_full = mask.expand(b, hq, t, s)  # broadcast dims get stride 0; the kernel reads the strides
@@ -870,8 +457,8 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
 
     # 1. scores + softmax partials (one read of K)
     block_m = max(16, next_pow2(min(m_group, 64)))
-    m_chunks = _cdiv(m_group, block_m)
-    want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * m_chunks))
+    m_chunks = cdiv(m_group, block_m)
+    want = cfg.split_kv or min(128, cdiv(4 * n_sm, b * hkv * m_chunks))
     bnl = cfg.block_n_linear
     scores_mma = False
     if linear is not None:
@@ -881,9 +468,9 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
                              f"power-of-two head_dim and a group that block_n_linear={bnl} divides; got q "
                              f"{tuple(q.shape)}, {hkv} kv heads, {len(fractions)} fractions, group {gp}")
         # on tensor cores where the Gluon kernel fits (CUDA sm_80+, head_dim 128, K blocks of 64)
-        scores_mma = not _cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth)
+        scores_mma = not common.cpu_semantics(dev) and gluon_scores.fits(q, d, gp, bnl, depth)
         want = cfg.split_kv or (_mma_scores_splits if scores_mma else _linear_splits)(cfg, n_sm, b * hkv)
-    chunk_a, split_a = _split(s, bnl if linear is not None else cfg.block_n, want)
+    chunk_a, split_a = split_range(s, bnl if linear is not None else cfg.block_n, want)
     probs = torch.empty(rows, s, dtype=torch.float32, device=dev)
     part_m = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
     part_l = torch.empty(rows, split_a, dtype=torch.float32, device=dev)
@@ -918,22 +505,22 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         )
 
     # 2. radix select (probabilities written in place of the scores)
-    digits = _radix_digits()
-    keys, thr, cut = _select_split(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
+    digits = radix_digits()
+    keys, thr, cut = radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
                                    n_sm, cfg, launch, dev)
     # 3. O_ref, C_ref and mass in one pass over V, then the split combine
     e_group = (f + 1) * m_group
     block_e = max(16, next_pow2(min(e_group, 64)))
-    e_chunks = _cdiv(e_group, block_e)
-    want = cfg.split_kv or min(128, _cdiv(4 * n_sm, b * hkv * e_chunks))
+    e_chunks = cdiv(e_group, block_e)
+    want = cfg.split_kv or min(128, cdiv(4 * n_sm, b * hkv * e_chunks))
     if linear is not None:
         want = cfg.split_kv or _linear_splits(cfg, n_sm, b * hkv)
     block_n_pv = cfg.block_n_pv or cfg.block_n
-    pv_mma = linear is not None and not _cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
+    pv_mma = linear is not None and not common.cpu_semantics(dev) and gluon_pv.fits(probs, d, gp, depth)
     if pv_mma:  # one-warp programs
         chunk_c, split_c = gluon_pv.splits(n_sm, b * hkv, s)
     else:
-        chunk_c, split_c = _split(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
+        chunk_c, split_c = split_range(s, cfg.block_n_pv_linear if linear is not None else block_n_pv, want)
     e_total = (f + 1) * rows
     part_o = torch.empty(split_c, e_total, d, dtype=torch.float32, device=dev)
     part_mass = torch.empty(split_c, e_total, dtype=torch.float32, device=dev)
@@ -974,61 +561,3 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         num_warps=4,
     )
     return out, keys, count, mass, o_ref, c_ref
-
-
-def correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, *, wrap: bool = False,
-                              num_warps: int = 4) -> None:
-    """O_ref - C_ref + m * local into out [B, Hq, T, D] from a correction's softmax partials
-    (part_m / part_l [rows, SPLIT], part_acc [rows, SPLIT, D] per row b * Hq * T + h * T + t):
-    _correction_combine_kernel, one program per row."""
-    b, hq, t, d = out.shape
-    rows, split = part_m.shape
-    _Launcher(wrap)(_correction_combine_kernel, (rows,))(
-        part_m, part_l, part_acc, mass.reshape(rows).contiguous(), o_ref.reshape(rows, d).contiguous(),
-        c_ref.reshape(rows, d).contiguous(), out,
-        hq, t, split,
-        *out.stride(),
-        D=d, SPLIT_P2=next_pow2(split),
-        num_warps=num_warps,
-    )
-
-
-def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, *, wrap: bool = False, config: KernelConfig | None = None):
-    """Triton body of ``flashloop::correction_attention``; same output as the ATen body."""
-    launch = _Launcher(wrap)
-    _check_runnable(q.device)
-    cfg = _config_for(q.device, config)
-    dev = q.device
-    b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    kmax = keys.shape[-1]
-    rows = b * hq * t
-    keys_c = keys.reshape(rows, kmax).contiguous()
-    count_c = count.reshape(rows).contiguous()
-    mass_c = mass.reshape(rows).contiguous()
-    oref_c = o_ref.reshape(rows, d).contiguous()
-    cref_c = c_ref.reshape(rows, d).contiguous()
-    out = torch.empty_like(q)
-    # a gather per key tile: latency-bound, so many programs per SM. At least 32 splits per row
-    # (H200, 32K, 10%: 97 -> 60 us at B4 and 32 -> 19 us at B1 against about 2 programs per SM;
-    # benchmarks/RESULTS.md session 9), fewer where the selection has fewer tiles (_split)
-    want = cfg.split_corr or max(32, _cdiv(2 * sm_count(dev), rows))
-    chunk, split = _split(max(kmax, 1), cfg.block_k, want)
-    final = split == 1
-    if final:
-        pm = pl = pacc = mass_c  # unused
-    else:
-        pm = torch.empty(rows, split, dtype=torch.float32, device=dev)
-        pl = torch.empty(rows, split, dtype=torch.float32, device=dev)
-        pacc = torch.empty(rows, split, d, dtype=torch.float32, device=dev)
-    launch(_correction_kernel, (rows, split))(
-        q, k, v, keys_c, count_c, mass_c, oref_c, cref_c, out,
-        pm, pl, pacc,
-        hq, t, hq // hkv, kmax, chunk, split, float(scale),
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        D=d, BLOCK_K=cfg.block_k, FINAL=final, STAGES=cfg.num_stages_corr,
-        num_warps=cfg.num_warps_corr,
-    )
-    if not final:
-        correction_combine_triton(pm, pl, pacc, mass_c, oref_c, cref_c, out, wrap=launch.wrap)
-    return out
