@@ -22,8 +22,8 @@ OUT = Path(os.environ.get("OUT", "out"))
 
 
 def git_commit() -> str:
-    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git: session 14's
-    rows said 698d590 for every later commit), else git's HEAD."""
+    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git), else git's
+    HEAD."""
     if os.environ.get("FLASHLOOP_COMMIT"):
         return os.environ["FLASHLOOP_COMMIT"]
     try:
@@ -41,10 +41,6 @@ def environment() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        # the run's kernel and graph choices beyond the defaults (FLASHLOOP_SPARSE_DECODE,
-        # FLASHLOOP_PACKED_CORRECTION, ...): a row says what it timed
-        "overrides": {k: v for k, v in sorted(os.environ.items())
-                      if k.startswith("FLASHLOOP_") and k != "FLASHLOOP_COMMIT"},
     }
 
 
@@ -158,7 +154,7 @@ class GpuSampler:
     """SM clock, power, temperature and clock-event reasons sampled by ``nvidia-smi`` every
     ``period_ms`` while the block runs (``.summary``: :func:`parse_gpu_samples`, None without
     nvidia-smi or CUDA). A power- or thermal-capped clock slows a loop of back-to-back graph
-    replays that a two-replay profile does not see (session 13's unexplained 4x32K step)."""
+    replays that a two-replay profile does not see."""
 
     def __init__(self, period_ms: int = 50):
         self.period_ms = period_ms

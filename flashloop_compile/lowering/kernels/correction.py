@@ -142,7 +142,7 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
     out = torch.empty_like(q)
     # a gather per key tile: latency-bound, so many programs per SM. At least 32 splits per row
     # (H200, 32K, 10%: 97 -> 60 us at B4 and 32 -> 19 us at B1 against about 2 programs per SM;
-    # benchmarks/RESULTS.md session 9), fewer where the selection has fewer tiles (split_range)
+    # benchmarks/RESULTS.md), fewer where the selection has fewer tiles (split_range)
     want = cfg.split_corr or max(32, cdiv(2 * sm_count(dev), rows))
     chunk, split = split_range(max(kmax, 1), cfg.block_k, want)
     final = split == 1

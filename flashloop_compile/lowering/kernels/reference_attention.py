@@ -357,14 +357,14 @@ def _pv_combine_kernel(
 def _linear_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
     """Splits of the history per row for the code-domain scores and PV kernels: about
     cfg.waves_linear programs per SM, and at least 32 per row (at most 128). H200, 32K, one
-    site (sessions 8-9): at B1 (16 rows) 4 waves = 33 splits beat 66 by 2-4%; at B4 (64 rows) 9
+    site: at B1 (16 rows) 4 waves = 33 splits beat 66 by 2-4%; at B4 (64 rows) 9
     splits lost 5-7% to 17 and 33 (589/912 vs 624/975 us at depth 1/3)."""
     return min(128, max(32, cdiv(cfg.waves_linear * n_sm, rows)))
 
 
 def _mma_scores_splits(cfg: KernelConfig, n_sm: int, rows: int) -> int:
     """Splits of the history per row for gluon_scores' kernel (4-warp programs, 56 registers):
-    _linear_splits, and at least 8 programs per SM. Session 13's op-level table (kernel alone,
+    _linear_splits, and at least 8 programs per SM. Op-level (kernel alone, H200,
     32K, depth 1): B1 29.1 us at 66 splits against 38.9 at 33 (_linear_splits' 33) and 29.5 at
     132; B4 flat from 16 to 132 splits (104-111 us), where this keeps 32."""
     return min(128, max(_linear_splits(cfg, n_sm, rows), (8 * n_sm) // rows))
