@@ -1,6 +1,6 @@
 """Op-level A/B of the code-domain reference PV (loop 2 under quantization, one site): the
 tensor-core kernel (flashloop_compile/lowering/kernels/gluon_pv.py) against the tl kernel
-(sparse_decode._pv_linear_kernel) on the same packed depth-1 V history at the cache's layout
+(reference_attention._pv_linear_kernel) on the same packed depth-1 V history at the cache's layout
 (ouro-1.4b: 16 kv heads x 128, V groups of 64 channels, a token-sparse residual, a BF16 window).
 Both are checked against FP64 sums of the decoded values first (O_ref: every key, C_ref: the
 selected keys, and the masses), then timed as CUDA graphs (no host launch time): median of
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbs, cuda_times, graph_of  # noqa: E402
 
 from flashloop_compile.lowering.kernels import gluon_pv as GP  # noqa: E402
-from flashloop_compile.lowering.kernels import sparse_decode as SD  # noqa: E402
+from flashloop_compile.lowering.kernels import reference_attention as RA, sparse_config as SC  # noqa: E402
 
 D, G = GP.HEAD_DIM, GP.GROUP
 
@@ -107,8 +107,8 @@ def launch(kind: str, t, n_sm: int, resident: int = GP.RESIDENT):
     if kind == "mma":
         chunk, split = GP.splits(n_sm, R, S, resident)
     else:
-        cfg = SD.DEFAULT_CONFIG
-        chunk, split = SD._split(S, cfg.block_n_pv_linear, SD._linear_splits(cfg, n_sm, R))
+        cfg = SC.DEFAULT_CONFIG
+        chunk, split = SC.split_range(S, cfg.block_n_pv_linear, RA._linear_splits(cfg, n_sm, R))
     po = torch.empty(split, 2 * R, D, dtype=torch.float32, device=dev)
     pm = torch.empty(split, 2 * R, dtype=torch.float32, device=dev)
     v = t["v"]
@@ -118,7 +118,7 @@ def launch(kind: str, t, n_sm: int, resident: int = GP.RESIDENT):
                          t["v_base_scale"], t["v_res"], t["v_res_min"], t["v_res_scale"], t["rows"], t["res_layout"],
                          chunk, split, 1)
     else:
-        cfg = SD.DEFAULT_CONFIG
+        cfg = SC.DEFAULT_CONFIG
         kb, kr = t["v_base"], t["v_res"]  # K placeholders (the PV kernel reads V only)
         kp = torch.zeros(B, H, S // G, D, dtype=torch.float16, device=dev)
         krp = torch.zeros(3, B, H, S // G, D, dtype=torch.float16, device=dev)
@@ -127,7 +127,7 @@ def launch(kind: str, t, n_sm: int, resident: int = GP.RESIDENT):
                 t["v_res_scale"], t["rows"], t["res_layout"], B, S // G, CAPT)
 
         def fn():
-            SD._pv_linear_kernel[(R, split)](*args, D=D, GP=G, BN=cfg.block_n_pv_linear, DEPTH=1,
+            RA._pv_linear_kernel[(R, split)](*args, D=D, GP=G, BN=cfg.block_n_pv_linear, DEPTH=1,
                                              STAGES=cfg.num_stages_linear, num_warps=cfg.num_warps_linear)
     return fn, po, pm, split
 

@@ -1,6 +1,6 @@
 """Op-level A/B of the code-domain reference scores (loop 2 under quantization, one site): the
 tensor-core kernel (flashloop_compile/lowering/kernels/gluon_scores.py: _prep_kernel +
-_mma_scores_kernel) against the tl kernel (sparse_decode._scores_linear_kernel) on the same packed
+_mma_scores_kernel) against the tl kernel (reference_attention._scores_linear_kernel) on the same packed
 depth-1 history at the cache's layout (ouro-1.4b: 16 kv heads x 128; a token-sparse residual).
 Both are checked against FP64 scores of the decoded keys first (max abs error, and the split
 partials' log-sum-exp), then timed: median of CUDA-event repeats with L2 flushed, with the bytes the
@@ -8,8 +8,7 @@ scores must move against the measured copy bandwidth.
 
     python3 benchmarks/bench_mma_scores.py --batch 1 4 [--splits 16 33 66 132]   # GPU
 
-Session 13 ran its first form (the kernel as a copy inside this file, commit 2399851): B4 x 32K
-105 us (+ prep) vs 200 us for the tl kernel (benchmarks/RESULTS.md).
+At B4 x 32K: 105 us (+ prep) against 200 us for the tl kernel (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbs, cuda_times  # noqa: E402
 
 from flashloop_compile.lowering.kernels import gluon_scores as GS  # noqa: E402
-from flashloop_compile.lowering.kernels import sparse_decode as SD  # noqa: E402
+from flashloop_compile.lowering.kernels import reference_attention as RA, sparse_config as SC  # noqa: E402
 
 HEAD_DIM, GROUP, TILE = GS.HEAD_DIM, GS.GROUP, GS.TILE
 
@@ -124,7 +123,7 @@ def launch(kind: str, t, scale, split: int):
                                           chunk=chunk, split=split, depth=1)
         return fn, probs, pm, pl
     else:
-        cfg = SD.DEFAULT_CONFIG
+        cfg = SC.DEFAULT_CONFIG
         lo = torch.full((B,), S, dtype=torch.int32, device=dev)
         kwin = torch.zeros(B, H, 1, HEAD_DIM, dtype=q.dtype, device=dev)
         vb = t["k_base"]
@@ -136,7 +135,7 @@ def launch(kind: str, t, scale, split: int):
                 B, NB, CAPT)
         kw = dict(D=HEAD_DIM, GP=GROUP, BN=cfg.block_n_linear, DEPTH=1, STAGES=cfg.num_stages_linear,
                   num_warps=cfg.num_warps_linear)
-        fn = lambda: SD._scores_linear_kernel[(rows_n, split)](*args, **kw)  # noqa: E731
+        fn = lambda: RA._scores_linear_kernel[(rows_n, split)](*args, **kw)  # noqa: E731
     return fn, probs, pm, pl
 
 
@@ -151,7 +150,7 @@ def bench(args):
         t = make_inputs(B, 16, args.seq, dev)
         scale = float(HEAD_DIM) ** -0.5
         ref = reference_scores(t, scale)
-        default_split = SD._linear_splits(SD.DEFAULT_CONFIG, n_sm, B * 16)
+        default_split = RA._linear_splits(SC.DEFAULT_CONFIG, n_sm, B * 16)
         # bytes the scores must read: codes, K parameters (FP16 scale + min per block, channel and
         # stream), the residual row map, the mask; and write: the scores
         NB = args.seq // GROUP

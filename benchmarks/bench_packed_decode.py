@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cuda_times, graph_of  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
-from flashloop_compile.lowering.kernels import sparse_decode as SD
+from flashloop_compile.lowering.kernels import correction as CO, packed_attention as PA, packed_decode as PD, packed_read as PR, sparse_config as SC
 from flashloop_compile.passes.kv_quant import local_keys, selected_positions
 from flashloop_compile.runtime import PackedKVCache
 
@@ -127,44 +126,18 @@ def stats(times: list[float]) -> dict:
 
 
 SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's launch parameters
-    ("generic", {"fast": False, "tuning": {"enabled": False}}),
-    # the reconstructing _decode_bulk_kernel ("linear": False) at the points scripts/kernel_report.py
-    # picks: no spills, 8-16 resident warps per SM, cp.async with stages 2-3 (rNNN: maxnreg);
-    # session 5's best: bn32 w4 s2 x4 (the default then)
-    *[(f"fast bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
-       {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv, "linear": False}})
-      for bn, w, st, mr, wv in ((16, 4, 3, 128, 4), (32, 4, 2, None, 4), (32, 4, 3, None, 4), (64, 4, 2, None, 4))],
-    # the code-domain kernel (FAST_DECODE "linear", the default since session 6: bn32 w4 s3 x4,
-    # 1.5-1.65x the reconstructing kernel's best); around it: tile, stages, waves, warps. sm_90
-    # compile (kernel_report): bn32 s3 218 registers at depth 3 (8 warps/SM), r168 12 warps/SM
-    # with 3 spill ops at depth 3, bn64 w4 spills at depth 3 (so only bn64 w8)
-    *[(f"fast linear bn{bn} w{w} s{st}{f' r{mr}' if mr else ''} x{wv}",
-       {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "maxnreg": mr, "waves": wv, "linear": True}})
-      for bn, w, st, mr, wv in ((16, 4, 3, None, 4), (32, 4, 2, None, 4), (32, 4, 3, None, 4), (32, 4, 4, None, 4),
-                                (32, 4, 3, None, 8), (32, 4, 3, 168, 4), (64, 8, 3, None, 4))],
-    # FAST_DECODE "half" (opt-in): K rebuilt in fp16 for the scores (packed HFMA2, no parameter
-    # conversion); kernel_report at depth 1: 945 -> 843 instructions per tile, 211 -> 167 registers
-    # ... and the waves around the default: ncu (session 11) puts the linear kernel at 2-3 resident
-    # programs per SM (211 registers at depth 1, 168 at depth 0 and with half), so 4 waves of
-    # programs can leave a partial last round
-    *[(f"fast linear bn32 w4 s3 x{wv}{' half' if half else ''}",
-       {"tuning": {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": wv, "linear": True, "half": half}})
-      for wv, half in ((4, True), (3, False), (6, False), (3, True), (6, True))],
-    # the tensor-core kernel (FAST_DECODE "mma", opt-in, untimed): sm_90 compile 140 registers at
-    # bn32 depth 1 (12 warps/SM), 255 with 3 spill ops at depth 3
-    *[(f"fast mma bn{bn} w{w} s{st} x4", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "mma": True}})
-      for bn, w, st in ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 8, 3))],
-    # FAST_DECODE "gluon" (session 14, opt-in): the reference's tensor-core kernels without the
-    # selection (sparse_decode.linear_decode_triton, through packed_ops.packed_attention: a window
-    # read, the scores, the PV with the probabilities formed per split, the split combine)
-    ("fast gluon", {"gluon": True}),
-    # FAST_DECODE "tail_programs" (session 18, default 4): the tail's per-token tiles over several
-    # programs per row; 1: one program takes them in turn (before session 18)
-    *[(f"fast linear tail{n}", {"tuning": {"tail_programs": n}}) for n in (1, 2, 4, 8)],
-    # packed_read (sparse decode under quantization), generic vs PACKED_READ "bulk": the whole
-    # history (loop 2's reference) and 10% scattered keys per head (a correction's selection, sorted
-    # as the top-k positions are not: order does not matter to either kernel); not attention
-    # variants (the suite's best pick skips them)
+    ("generic", {"fast": False}),
+    # _decode_bulk_kernel (default bn32 w4 s3 x3); around it: tile, stages, waves, warps. sm_90
+    # compile (kernel_report): bn64 w4 spills at depth 3 (so only bn64 w8)
+    *[(f"fast bn{bn} w{w} s{st} x{wv}", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}})
+      for bn, w, st, wv in ((16, 4, 3, 3), (32, 4, 2, 3), (32, 4, 3, 3), (32, 4, 4, 3), (32, 4, 3, 4), (32, 4, 3, 6),
+                            (32, 4, 3, 8), (64, 8, 3, 3))],
+    # FAST_DECODE tail_programs (default 4): the tail's per-token tiles over several programs per row
+    *[(f"fast tail{n}", {"tuning": {"tail_programs": n}}) for n in (1, 2, 4, 8)],
+    # packed_read (sparse decode under quantization), the generic kernel vs the bulk one: the whole
+    # history (loop 2's reference at other shapes) and 10% scattered keys per head (a correction's
+    # selection, sorted as the top-k positions are not: order does not matter to either kernel);
+    # not attention variants (the suite's best pick skips them)
     *[(f"read {what} {kernel}", {"read": what, "bulk": kernel == "bulk"})
       for what in ("whole history", "selected keys") for kernel in ("generic", "bulk")],
     # the bulk read's tile (PACKED_READ block_p: positions per program, default 32 at D 128) and warps
@@ -172,59 +145,36 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
                                                 "read_config": {"block_p": bp, "num_warps": w}})
       for bp, w in ((16, 4), (32, 8), (64, 8))],
     # sparse decode's loop-2 reference under quantization (packed_reference_attention, fraction
-    # 0.1): the bulk read of the whole history then the reference over the copy, vs
-    # PACKED_REFERENCE "fused" (the scores / PV kernels decode the flushed bulk; bit-identical) and
-    # "linear" (the bulk in the code domain; within the bf16 tolerance, the same count)
+    # 0.1): the op's body at this shape (the bulk in the code domain), vs the whole history read
+    # then the reference over the copy (the body at other shapes; within the bf16 tolerance, the
+    # same count)
     ("reference read then attend", {"reference": "read"}),
-    ("reference fused", {"reference": "fused"}),
     ("reference linear", {"reference": "linear"}),
-    # its window read (the ring and the step's tokens) as before session 18: the read's 32-position
-    # tiles, four sub-tiles of dependent loads in turn per program (PACKED_READ window_block_p 0)
-    ("reference linear window split", {"reference": "linear", "read_config": {"window_block_p": 0}}),
     *[(f"reference linear {name}", {"reference": "linear", "config": cfg})
       for name, cfg in (("split16", {"split_kv": 16}), ("split64", {"split_kv": 64}),
                         ("bn32", {"block_n_linear": 32}), ("stages2", {"num_stages_linear": 2}))],
     # a correction at this depth with loop 2's selection (fraction 0.1): the compact packed_read of
-    # the selected keys then correction_attention (what the passes run), vs the opt-in code-domain
-    # correction (sparse_decode.correction_linear_triton: codes below the flushed boundary, a window
-    # read for the ring and the step's token; within the bf16 tolerance of the first): the tl kernel,
-    # and on tensor cores (KernelConfig.correction_mma, session 15: gluon_scores / gluon_pv's gather
-    # kernels, no BF16 copy of the selected keys; what PACKED_CORRECTION["linear"] runs)
+    # the selected keys then correction_attention (the op's body for several query rows per kv
+    # head), vs the read-and-attend body (packed_ops.correction_read_attend, the op's body at this
+    # shape: the bulk read's tiles attended in registers, one softmax partial per tile, no BF16
+    # copy; PACKED_READ attend_block_p: 32 keys per program at depth 2, 16 at depth 3), fixed tiles
+    # and warps
     ("correction read then correct", {"correction": "read"}),
-    ("correction linear", {"correction": "linear", "config": {"correction_mma": False}}),
-    ("correction linear mma", {"correction": "linear", "config": {"correction_mma": True}}),
-    *[(f"correction linear mma w{w}", {"correction": "linear", "config": {"correction_mma": True, "correction_waves": w}})
-      for w in (1, 2, 4, 8)],
-    # the correction read and attended in one pass (PACKED_CORRECTION["read_attend"], session 17:
-    # packed_ops.correction_read_attend, the bulk read's tiles attended in registers, one softmax
-    # partial per tile, no BF16 copy): the default (PACKED_READ attend_block_p: 32 keys per program
-    # at depth 2, 16 at depth 3, session 17), fixed tiles and warps
     ("correction read attend", {"correction": "read_attend"}),
     *[(f"correction read attend {tag}", {"correction": "read_attend", "read_config": cfg})
       for tag, cfg in (("bp16", {"block_p": 16}), ("bp32", {"block_p": 32}), ("w8", {"num_warps": 8}),
-                       ("forward", {"attend_reverse": False}),
                        ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
-    # and the per-key-lane online softmax (KernelConfig.lane_corr)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})
       for name, cfg in (("s16", {"split_corr": 16}), ("s32", {"split_corr": 32}),
-                        ("lane bk32", {"lane_corr": True, "block_k": 32}),
-                        ("lane bk32 s16", {"lane_corr": True, "block_k": 32, "split_corr": 16}),
-                        ("lane bk64 w8 s16", {"lane_corr": True, "block_k": 64, "num_warps_corr": 8, "split_corr": 16}),
-                        # software-pipelined gathers (num_stages_corr, 2 by default since session 12)
+                        # software-pipelined gathers (num_stages_corr, 2 by default)
                         ("stages1", {"num_stages_corr": 1}), ("stages3", {"num_stages_corr": 3}),
                         ("bk32 stages2", {"block_k": 32, "num_stages_corr": 2}))],
     # the generic read's tile (PACKED_READ generic_split: bulk tile / split positions per program)
     *[(f"{what} read split{n}", {**kw, "read_config": {"generic_split": n}})
       for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))
       for n in (1, 8, 16)],
-    # the read in two launches (PACKED_READ "fused" off: bulk, then generic) and the fused one (the
-    # default) capped at 168 registers (12 warps per SM at depth 3)
-    *[(f"{what} read {tag}", {**kw, "read_config": cfg})
-      for what, kw in (("reference linear", {"reference": "linear"}), ("correction read then correct", {"correction": "read"}))
-      for tag, cfg in (("two launches", {"fused": False}), ("fused r168", {"fused_maxnreg": 168}))],
-    # the bulk read of a correction's selected keys (ncu, session 11: 17.8% occupancy at 154
-    # registers, waiting on memory) at more warps or smaller tiles
+    # the bulk read of a correction's selected keys at more warps or smaller tiles
     *[(f"correction read then correct read {tag}", {"correction": "read", "read_config": cfg})
       for tag, cfg in (("w8", {"num_warps": 8}), ("bp16", {"block_p": 16}), ("bp64 w8", {"block_p": 64, "num_warps": 8}))],
 ]
@@ -291,58 +241,43 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                     def fn(kw=kw, kd=kd, vd=vd, pd=pd, depth=depth, out_k=out_k, out_v=out_v, ref_args=ref_args):
                         if "read_config" in kw or "config" in kw:
                             # PACKED_READ entries / sparse_decode's KernelConfig, read at launch: captured as set here
-                            saved_read, saved_cfg = dict(K.PACKED_READ), SD.DEFAULT_CONFIG
-                            K.PACKED_READ.update(kw.get("read_config", {}))
-                            SD.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
+                            saved_read, saved_cfg = dict(PR.PACKED_READ), SC.DEFAULT_CONFIG
+                            PR.PACKED_READ.update(kw.get("read_config", {}))
+                            SC.DEFAULT_CONFIG = dataclasses.replace(saved_cfg, **kw.get("config", {}))
                             try:
                                 return fn({k: v for k, v in kw.items() if k not in ("read_config", "config")})
                             finally:
-                                K.PACKED_READ.update(saved_read)
-                                SD.DEFAULT_CONFIG = saved_cfg
-                        if "reference" in kw:  # the flags are read at launch: captured as set here
-                            saved = dict(K.PACKED_REFERENCE)
-                            K.PACKED_REFERENCE.update(fused=kw["reference"] == "fused", linear=kw["reference"] == "linear")
-                            try:
-                                return torch.ops.flashloop.packed_reference_attention(*ref_args)
-                            finally:
-                                K.PACKED_REFERENCE.update(saved)
+                                PR.PACKED_READ.update(saved_read)
+                                SC.DEFAULT_CONFIG = saved_cfg
+                        if kw.get("reference") == "read":  # the body at other shapes, at this one
+                            whole = torch.arange(S, device="cuda")[None].expand(B, -1)
+                            k_all, v_all = torch.ops.flashloop.packed_read(*tensors, whole, depth, pd, kd, vd)
+                            return torch.ops.flashloop.reference_attention(q, k_all, v_all, *ref_args[-4:])
+                        if "reference" in kw:
+                            return torch.ops.flashloop.packed_reference_attention(*ref_args)
                         if "correction" in kw:
                             _, keys, count, mass, o_ref, c_ref = corr_inputs()
                             if kw["correction"] == "read_attend":
                                 return P.correction_read_attend(q, keys[0], count[0], mass[0], o_ref, c_ref[0], (pd, kd, vd),
                                                                 depth, tensors, scale)
-                            if kw["correction"] == "read":
-                                sel = selected_positions(keys[0], count[0], H)
-                                k_sel = torch.empty(B, H, sel.shape[-1], D, device="cuda", dtype=DT)
-                                v_sel = torch.empty_like(k_sel)
-                                K.launch_packed_read(tensors, sel, depth, k_sel, v_sel, inflight=(pd, kd, vd))
-                                return SD.correction_attention_triton(q, k_sel, v_sel, local_keys(keys[0], H), count[0],
-                                                                      mass[0], o_ref, c_ref[0], scale)
-                            lo, window = SD.linear_window(tensors, depth, pd)
-                            k_w = torch.empty(B, H, window.shape[1], D, device="cuda", dtype=DT)
-                            v_w = torch.empty_like(k_w)
-                            K.launch_packed_read(tensors, window, depth, k_w, v_w, inflight=(pd, kd, vd))
-                            return SD.correction_linear_triton(q, k_w, v_w, keys[0], count[0], mass[0], o_ref, c_ref[0],
-                                                               scale, (tensors, depth, lo))
+                            sel = selected_positions(keys[0], count[0], H)
+                            k_sel = torch.empty(B, H, sel.shape[-1], D, device="cuda", dtype=DT)
+                            v_sel = torch.empty_like(k_sel)
+                            PR.launch_packed_read(tensors, sel, depth, k_sel, v_sel, inflight=(pd, kd, vd))
+                            return CO.correction_attention_triton(q, k_sel, v_sel, local_keys(keys[0], H), count[0],
+                                                                  mass[0], o_ref, c_ref[0], scale)
                         if kw.get("read"):
-                            K.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
+                            PR.launch_packed_read(tensors, reads[kw["read"]], depth, out_k, out_v, bulk=kw["bulk"])
                             return out_k, out_v
-                        if kw.get("gluon"):  # read at launch: captured as set here
-                            saved = dict(K.FAST_DECODE)
-                            K.FAST_DECODE["gluon"] = True
-                            try:
-                                return torch.ops.flashloop.packed_attention(q, kd, vd, pd, pd, depth, *tensors, scale)
-                            finally:
-                                K.FAST_DECODE.update(saved)
                         out = torch.empty_like(q)
-                        K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
+                        PA.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, **kw)
                         return out
                     try:
                         if "correction" in kw:
                             got = fn()
                             if kw == {"correction": "read"}:
                                 corr_read = got
-                            else:  # the linear correction, or another launch of the same: against the default read-then-correct
+                            else:  # the read-and-attend correction, or another launch: against read-then-correct
                                 corr_read = corr_read if corr_read is not None else fn(kw={"correction": "read"})
                                 torch.testing.assert_close(got.float(), corr_read.float(), atol=1e-2, rtol=1e-2)
                         elif "reference" in kw:
@@ -351,13 +286,10 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                                 two_step = got
                             else:
                                 two_step = two_step if two_step is not None else fn(kw={"reference": "read"})
-                                if kw["reference"] == "fused":
-                                    assert all(torch.equal(a, b) for a, b in zip(got, two_step)), "fused reference differs"
-                                else:
-                                    assert torch.equal(got[2], two_step[2]), "linear reference: count differs"
-                                    for a, b in zip(got, two_step):
-                                        if a.is_floating_point():
-                                            torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+                                assert torch.equal(got[2], two_step[2]), "linear reference: count differs"
+                                for a, b in zip(got, two_step):
+                                    if a.is_floating_point():
+                                        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
                         elif read:
                             if read not in read_ref:
                                 read_ref[read] = P.packed_read_aten(*tensors, reads[read], depth, *P.no_inflight(cache, B, q.device))
@@ -441,14 +373,14 @@ def main() -> None:
             dense_eager = _times(dense, args.repeats, args.warmup, l2)
             dense_graph = _times(graph_of(dense), args.repeats, args.warmup, l2)
             dense_bytes = 2 * B * H * S * D * 2 + 2 * B * H * D * 2
-            splits = args.splits if args.splits is not None else K.decode_splits(B, H, 1, S, 64, q.device)
+            splits = args.splits if args.splits is not None else PD.decode_splits(B, H, 1, S, 64, q.device)
             for depth in args.depths:
                 kd, vd, pd = step[depth]
                 tensors = cache.op_tensors(0)
 
                 def packed(kd=kd, vd=vd, pd=pd, depth=depth, tensors=tensors):
                     out = torch.empty_like(q)
-                    K.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, num_splits=splits)
+                    PA.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out, num_splits=splits)
                     return out
 
                 ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)

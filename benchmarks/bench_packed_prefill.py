@@ -14,8 +14,8 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
 - ``packed_kv_write d0`` / ``d1``: the packed write of all T tokens at depth 0 (INT4 base) and
   depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
 
-``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_kv.py
-PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop; the even/odd halves once) and the packed
+``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_attention.py
+PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop) and the packed
 write with several flush programs per (batch, head) (PACKED_WRITE chunks). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
@@ -70,16 +70,16 @@ def main() -> None:
             return torch.ops.flashloop.packed_attention(q, k, v, pos, pos, 0, *cache.op_tensors(0), scale)
 
         def launched(tuning):
-            from flashloop_compile.lowering.kernels import packed_kv as K
+            from flashloop_compile.lowering.kernels import packed_attention as PA, packed_write as PW
 
             def run():
                 out = torch.empty_like(q)
-                K.launch_packed_attention(cache.op_tensors(0), q, k, v, pos, pos, 0, scale, out, mode="prefill", tuning=tuning)
+                PA.launch_packed_attention(cache.op_tensors(0), q, k, v, pos, pos, 0, scale, out, mode="prefill", tuning=tuning)
                 return out
             return run
 
         def write(depth, chunks=None):
-            from flashloop_compile.lowering.kernels import packed_kv as K
+            from flashloop_compile.lowering.kernels import packed_attention as PA, packed_write as PW
 
             def run():
                 cache.reset()
@@ -87,7 +87,7 @@ def main() -> None:
                     if chunks is None:
                         P.packed_kv_write(cache, 0, k, v, pos, d)
                     else:
-                        K.launch_packed_kv_write(cache.op_tensors(0), k, v, pos, d, chunks=chunks)
+                        PW.launch_packed_kv_write(cache.op_tensors(0), k, v, pos, d, chunks=chunks)
             return run
 
         ops = {
@@ -98,15 +98,12 @@ def main() -> None:
             "packed_kv_write d0+d1": write(1),
         }
         if args.sweep and cuda:
-            # whole rows (the default layout) over tiles, warps and pipeline stages; the halves
-            # layout at its session-4 best once
+            # the prefill kernel over tiles, warps and pipeline stages
             grid = [(64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
                     (128, 128, 8, 2), (64, 128, 4, 2), (64, 64, 8, 3)]
             for bm, bni, w, st in grid:
-                tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "num_stages": st, "whole_rows": True}
+                tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "num_stages": st}
                 ops[f"packed bm{bm} bni{bni} w{w} s{st}"] = launched(tuning)
-            ops["packed bm128 bni32 w4 halves"] = launched({"block_m": 128, "block_n_inflight": 32, "num_warps": 4,
-                                                           "whole_rows": False})
             for chunks in (4, 16, 64):
                 ops[f"packed_kv_write d0+d1 x{chunks}"] = write(1, chunks)
         ref = ops["sdpa_causal"]().float()

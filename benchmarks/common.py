@@ -22,8 +22,8 @@ OUT = Path(os.environ.get("OUT", "out"))
 
 
 def git_commit() -> str:
-    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git, whose HEAD
-    is not the code that runs), else git's HEAD."""
+    """FLASHLOOP_COMMIT where set (the device's copy of the tree may carry a stale .git), else git's
+    HEAD."""
     if os.environ.get("FLASHLOOP_COMMIT"):
         return os.environ["FLASHLOOP_COMMIT"]
     try:
@@ -41,10 +41,6 @@ def environment() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
-        # the run's kernel and graph choices beyond the defaults (FLASHLOOP_SPARSE_DECODE,
-        # FLASHLOOP_PACKED_CORRECTION, ...): a row says what it timed
-        "overrides": {k: v for k, v in sorted(os.environ.items())
-                      if k.startswith("FLASHLOOP_") and k != "FLASHLOOP_COMMIT"},
     }
 
 

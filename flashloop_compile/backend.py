@@ -119,8 +119,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: list[Any]):
 
     from flashloop_compile.lowering.lowering_key import LoweringKey
 
-    # the compile caches keyed on the launch tables and the package's source too (lowering_key.py:
-    # without it, a process with other tables or another checkout reuses an earlier artifact)
+    # the compile caches keyed on the package's source too (lowering_key.py: without it, a process
+    # running another checkout reuses an earlier artifact)
     user_pass = inductor_config.post_grad_custom_post_pass
     key = user_pass if isinstance(user_pass, LoweringKey) else LoweringKey(user_pass)
     with inductor_config.patch(benchmark_harness=False, post_grad_custom_post_pass=key):

@@ -133,8 +133,8 @@ _INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([
 def _loops(sass: str) -> list[tuple[int, collections.Counter]]:
     """The loops of a SASS listing (a label ``.L_x_N:`` and a later branch back to it), each as
     (instructions in the body, opcode mix without modifiers), largest first. A key-tile loop's
-    count is the per-tile cost that launch points and layouts change; session 8 found synchronous
-    loads with it, session 9 the per-tile conversions of the linear kernels."""
+    count is the per-tile cost that launch points and layouts change; they showed synchronous
+    loads and the per-tile conversions of the linear kernels."""
     ops, labels, loops = [], {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -165,7 +165,8 @@ def _decode_setup(B: int, S: int, T: int = 1):
 
 def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
     """(label, grid, launch kwargs, compiled kernel) of every launch of the chosen groups."""
-    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import common
+    from flashloop_compile.lowering.kernels import packed_attention as PA, packed_read as PR, packed_write as PW
 
     sink: list = []
     wrap = _compiling_wrap(sink)
@@ -176,22 +177,21 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         fn()
         labels.extend(f"{label} [{sink[i][0]}]" for i in range(n, len(sink)))
 
-    K._cpu_semantics = lambda t: False  # the GPU's constexprs (bf16 dots, the GPU's tiles)
+    common.cpu_semantics = lambda device: False  # the GPU's constexprs (bf16 dots, the GPU's tiles)
     if only in (None, "decode"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
-        run("decode fast B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, tuning=tuning))
-        run("decode generic B4 32K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, fast=False))
+        run("decode fast B4 32K", lambda: PA.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, tuning=tuning))
+        run("decode generic B4 32K", lambda: PA.launch_packed_attention(t, q, kv, kv, pos, pos, depth, 0.088, out, wrap=wrap, fast=False))
     if only in (None, "prefill"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
-        run("prefill 8K", lambda: K.launch_packed_attention(t, q, kv, kv, pos, pos, 0, 0.088, out, wrap=wrap, tuning=tuning))
+        run("prefill 8K", lambda: PA.launch_packed_attention(t, q, kv, kv, pos, pos, 0, 0.088, out, wrap=wrap, tuning=tuning))
     if only in (None, "sparse"):
-        from flashloop_compile.lowering.kernels import sparse_decode as SD
+        from flashloop_compile.lowering.kernels import correction as CO, reference_attention as RA, sparse_config as SC
 
-        SD._cpu_semantics = lambda device: False
-        SD._check_runnable = lambda device: None
-        SD.sm_count = lambda device: 132
-        SD._Launcher.__call__ = lambda self, kernel, grid: wrap(kernel)[grid]
+        SC.check_runnable = lambda kernel, device: None
+        RA.sm_count = CO.sm_count = lambda device: 132
+        SC.Launcher.__call__ = lambda self, kernel, grid: wrap(kernel)[grid]
         from flashloop_compile.lowering.kernels import gluon_scores as GS
 
         GS._run = lambda kernel, grid: wrap(kernel)[grid]  # the tensor-core scores' launches (an opaque op)
@@ -204,59 +204,43 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
         caps = [-(-S // 10)]
         refs = []
-        run("sparse reference B4 32K", lambda: refs.append(SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
+        run("sparse reference B4 32K", lambda: refs.append(RA.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps)))
         _, keys, count, mass, o_ref, c_ref = refs[0]
-        run("sparse correction B4 32K", lambda: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
-        for bk, w in ((32, 4), (64, 8)):  # the per-key-lane correction (KernelConfig.lane_corr) at its tile choices
-            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, lane_corr=True, block_k=bk, num_warps_corr=w)
-            run(f"sparse correction lane bk{bk} w{w} B4 32K",
-                lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
+        run("sparse correction B4 32K", lambda: CO.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088))
         for bk, st in ((64, 1), (32, 2)):  # the gathers not pipelined, and at 32-key tiles (num_stages_corr)
-            cfg = dataclasses.replace(SD.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
+            cfg = dataclasses.replace(SC.DEFAULT_CONFIG, block_k=bk, num_stages_corr=st)
             run(f"sparse correction bk{bk} stages{st} B4 32K",
-                lambda cfg=cfg: SD.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
-        t = _decode_setup(B, S)[0]  # the packed reference: scores and PV decode the flushed bulk themselves
-        packed = (t, depth, torch.full((B,), S - 1, dtype=torch.int64))
-        run("sparse packed reference B4 32K",
-            lambda: SD.reference_attention_triton(q, k, k, mask, 0.088, [0.1], caps, packed=packed))
+                lambda cfg=cfg: CO.correction_attention_triton(q, k, k, keys, count, mass, o_ref, c_ref, 0.088, config=cfg))
+        t = _decode_setup(B, S)[0]
         window = torch.empty(B, H, 192, D, dtype=torch.bfloat16)  # the code-domain reference: codes + a window
         linear = (t, depth, torch.full((B,), S - 128, dtype=torch.int64))
-        tl_kernels = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False, pv_mma=False)  # _scores/_pv_linear_kernel
+        # the tl kernels (_scores_linear_kernel, _pv_linear_kernel): the body where the Gluon ones do not fit
+        fits = GS.fits, GPV.fits
+        GS.fits = GPV.fits = lambda *args: False
         run("sparse linear reference B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=tl_kernels))
-        mma = dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True, pv_mma=True)  # gluon_scores.py, gluon_pv.py (the defaults)
-        run("sparse linear reference mma B4 32K",
-            lambda: SD.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear,
-                                                  config=mma))
-        tl_correction = dataclasses.replace(SD.DEFAULT_CONFIG, correction_mma=False)  # _correction_linear_kernel
-        run("sparse linear correction B4 32K",
-            lambda: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.088, linear,
-                                                config=tl_correction))
-        for d in (2, 3):  # the tensor-core correction (KernelConfig.correction_mma) at loops 3 and 4's depths
-            lin = (t, d, linear[2])
-            run(f"sparse linear correction mma depth {d} B4 32K",
-                lambda lin=lin: SD.correction_linear_triton(q, window, window, keys[0], count[0], mass[0],
-                                                            o_ref, c_ref[0], 0.088, lin))
+            lambda: RA.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
+        GS.fits, GPV.fits = fits
+        run("sparse linear reference mma B4 32K",  # gluon_scores.py, gluon_pv.py: the body at this shape
+            lambda: RA.reference_attention_triton(q, window, window, mask, 0.088, [0.1], caps, linear=linear))
     if only in (None, "read"):
         t, q, kv, pos, out = _decode_setup(4, 32768)
         grid_pos = torch.arange(32768)[None].expand(4, -1)
         full = torch.empty(4, 16, 32768, 128, dtype=torch.bfloat16)
-        run("read B4 32K (loop-2 reference)", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
-        run("read B4 32K bulk", lambda: K.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
+        run("read B4 32K (loop-2 reference)", lambda: PR.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=False))
+        run("read B4 32K bulk", lambda: PR.launch_packed_read(t, grid_pos, depth, full, full, wrap=wrap, bulk=True))
     if only in (None, "read", "attend"):
-        # a correction's selected keys read and attended in one pass (PACKED_CORRECTION["read_attend"])
+        # a correction's selected keys read and attended in one pass
         t, q, kv, pos, out = _decode_setup(4, 32768)
         keys = torch.zeros(4, 16, 1, 3277, dtype=torch.int32)
         count = torch.full((4, 16, 1), 3277, dtype=torch.int32)
-        run(f"read attend B4 32K (correction, {K.PACKED_READ['attend_block_p'][min(depth, 3)]} keys)",
-            lambda: K.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
+        run(f"read attend B4 32K (correction, {PR.PACKED_READ['attend_block_p'][min(depth, 3)]} keys)",
+            lambda: PR.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
-        run("write 8K depth 1", lambda: K.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
+        run("write 8K depth 1", lambda: PW.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
         t1, _q1, kv1, pos1, _out1 = _decode_setup(4, 32768)  # a decode step's write (ONE_TOKEN)
-        run("write one token depth 1", lambda: K.launch_packed_kv_write(t1, kv1, kv1, pos1, 1, wrap=wrap))
+        run("write one token depth 1", lambda: PW.launch_packed_kv_write(t1, kv1, kv1, pos1, 1, wrap=wrap))
     return [(label, grid, kwargs, compiled) for label, (_, grid, kwargs, compiled) in zip(labels, sink)]
 
 

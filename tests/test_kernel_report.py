@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import triton
 
-from flashloop_compile.lowering.kernels import gluon_pv as GPV
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -33,9 +32,9 @@ def _report_by_name(*args: str) -> dict[str, dict]:
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
 def test_decode_bulk_kernel_fits_sixteen_warps_per_sm_without_spills():
-    # The fused fast path it replaced spilled (255 registers, 8 warps per SM: the latency-bound
-    # decode of session 4); the separate bulk kernel at 16-key tiles is designed to 128 registers.
-    rows = _report("--only", "decode", tuning={"block_n": 16, "num_stages": 1, "linear": False})
+    # A fused decode kernel spilled (255 registers, 8 warps per SM: latency-bound); the separate
+    # bulk kernel at 16-key tiles fits 128 registers.
+    rows = _report("--only", "decode", tuning={"block_n": 16, "num_stages": 1})
     kernels = [r["kernel"] for r in rows]
     assert kernels == ["decode fast B4 32K [_decode_bulk_kernel]", "decode fast B4 32K [_attn_kernel]",
                        "decode fast B4 32K [_combine_kernel]", "decode generic B4 32K [_attn_kernel]",
@@ -48,33 +47,17 @@ def test_decode_bulk_kernel_fits_sixteen_warps_per_sm_without_spills():
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
-def test_maxnreg_reaches_the_bulk_kernel_through_its_pinned_config():
-    # maxnreg is not a launch keyword wrap_triton forwards: the launcher pins it with a one-config
-    # autotuner. At depth 3 with two pipeline stages the kernel would take 161 registers.
-    bulk = _report("--only", "decode", "--depth", "3",
-                   tuning={"block_n": 16, "num_stages": 2, "maxnreg": 128, "linear": False})[0]
+def test_decode_bulk_kernel_at_depth_three_holds_twelve_warps_per_sm():
+    # The code-domain kernel at bn32 w4 stages 2 and depth 3: 168 registers, 12 warps per SM (a
+    # kernel on reconstructed K/V needed 186: 8 warps per SM)
+    bulk = _report("--only", "decode", "--depth", "3", tuning={"num_stages": 2})[0]
     assert bulk["kernel"].endswith("[_decode_bulk_kernel]")
-    assert bulk["regs"] <= 128 and bulk["spill_ops"] == 0 and bulk["warps_per_sm"] == 16, bulk
-    assert bulk["loads"].get("LDGSTS.E.64", 0) > 0  # the base codes arrive by cp.async (pipelined)
-
-
-@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
-def test_linear_decode_kernel_at_depth_three_holds_twelve_warps_per_sm():
-    # The code-domain variant's point (the default since session 6): fewer instructions and
-    # registers per decoded element. At bn32 w4 stages 2 and depth 3 the reconstructing kernel
-    # needs 186 registers (8 warps per SM); the linear one 168 (12), with fewer instructions in all.
-    def report(tuning):
-        return _report("--only", "decode", "--depth", "3", tuning=tuning)[0]
-
-    old, linear = report({"num_stages": 2, "linear": False}), report({"num_stages": 2, "linear": True})
-    assert linear["kernel"].endswith("[_decode_bulk_kernel]")
-    assert linear["spill_ops"] == 0 and linear["warps_per_sm"] >= 12, linear
-    assert linear["instructions"] < old["instructions"], (linear["instructions"], old["instructions"])
+    assert bulk["spill_ops"] == 0 and bulk["warps_per_sm"] >= 12, bulk
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
 def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_parameter_loads():
-    # Session 8: the code-domain loop-2 reference. A 2-byte load per thread is left synchronous by
+    # The code-domain loop-2 reference. A 2-byte load per thread is left synchronous by
     # Triton's pipeliner (cp.async needs 4 bytes): with the V parameters loaded as fp16 the PV
     # kernel waited a memory latency per key tile (3x slower on the H200); as 32-bit words there is
     # no LDG.E.U16 left in it. Both kernels must compile without spills at ouro-1.4b's shape.
@@ -85,7 +68,7 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
         assert r["spill_ops"] == 0 and r["warps_per_sm"] >= 8, r
     assert pv["loads"].get("LDG.E.U16", 0) == 0, pv["loads"]
     assert pv["loads"].get("LDGSTS.E.BYPASS.128", 0) > 0  # the codes by cp.async
-    # session 13: the scores on tensor cores (gluon_scores.py, KernelConfig.scores_mma): one MMA per
+    # the scores on tensor cores (gluon_scores.py, the body at this shape): one MMA per
     # 16 channels, stream and 16 keys (2 streams at depth 1: 16 per warp and 64-key tile), a key's
     # 16 code bytes per thread in one load, a third of the tl kernel's instructions per tile
     mma = rows["sparse linear reference mma B4 32K [_mma_scores_kernel]"]
@@ -96,7 +79,7 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     # code-domain loop is ~300 (scripts/kernel_report.py --dump)
     assert 2 * mma["loop"] < scores["loop"], (mma["loop"], scores["loop"])
     assert mma["warps_per_sm"] >= 24, mma
-    # session 14: the PV on tensor cores (gluon_pv.py, KernelConfig.pv_mma), one-warp programs: one
+    # the PV on tensor cores (gluon_pv.py, the body at this shape), one-warp programs: one
     # MMA per 16 channels, stream and 16 keys (2 streams x 8 x 4 per 64-key tile), a key's 8 code
     # bytes per thread in one load, no spills at 168 registers (12 programs per SM, the split's
     # target); per 64 keys under half the tl kernel's warp instructions (4 warps, 32-key tiles)
@@ -105,30 +88,11 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
     assert mpv["spill_ops"] == 0 and mpv["mma"] == 64 and mpv["loads"].get("LDG.E.64", 0) >= 32, mpv
     assert mpv["warps_per_sm"] >= 12 and mpv["regs"] <= 168, mpv
     assert 2 * mpv["loop"] < 8 * pv["loop"], (mpv["loop"], pv["loop"])
-    # session 15: the code-domain correction on tensor cores (KernelConfig.correction_mma; opt-in through
-    # PACKED_CORRECTION["linear"]) at loops 3 and 4's depths: the gathered scores (4 warps; 16 MMAs per
-    # stream and warp: 16 keys x 8 channel steps x 2 n-tiles of the 16 q' columns; the residual
-    # streams in a runtime loop, which ptxas may unroll) and the gathered PV (one warp, the residual
-    # streams in a loop: unrolled, their gathers spilled at depth 3) without spills, at least the
-    # residency their splits assume (gluon_scores.GATHER_RESIDENT, gluon_pv.GATHER_RESIDENT), q' from
-    # the _prep_kernel's table (no shared-memory round trip)
-    from flashloop_compile.lowering.kernels import gluon_scores as GS
-
-    for d in (2, 3):
-        site = f"sparse linear correction mma depth {d} B4 32K"
-        gsc = rows[f"{site} [_mma_gather_scores_kernel]"]
-        gpv = rows[f"{site} [_mma_pv_gather_kernel]"]
-        assert f"{site} [_correction_linear_kernel]" not in rows
-        assert f"{site} [_prep_kernel]" in rows, sorted(k for k in rows if site in k)
-        assert gsc["spill_ops"] == 0 and gsc["mma"] % 16 == 0 and gsc["mma"] >= 32, gsc
-        assert gsc["warps_per_sm"] >= 4 * GS.GATHER_RESIDENT, gsc
-        assert gsc["loads"].get("LDSM.16.M88.4", 0) == 0, gsc["loads"]
-        assert gpv["spill_ops"] == 0 and gpv["mma"] == 64 and gpv["warps_per_sm"] >= GPV.GATHER_RESIDENT, gpv
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
 def test_the_read_attend_correction_keeps_three_programs_per_sm_at_depth_three():
-    # PACKED_READ attend_block_p (session 17): 16 keys per program at depth 3, where 32 took 176
+    # PACKED_READ attend_block_p: 16 keys per program at depth 3, where 32 took 176
     # registers (two programs per SM) and lost per site; no spills, the tile's codes in 128-bit loads
     row, = _report("--only", "attend", "--depth", "3")
     assert row["kernel"] == "read attend B4 32K (correction, 16 keys) [_read_attend_kernel]", row
@@ -162,7 +126,7 @@ def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
 
 
 def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
-    # scripts/ncu_summary.py on ncu's text layout (session 11's report): the kernel line opens a
+    # scripts/ncu_summary.py on ncu's text layout: the kernel line opens a
     # row; "Memory Throughput" appears twice (% of peak, then a rate whose unit varies); the
     # stall metrics come from the command-line section.
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -198,7 +162,7 @@ def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
 def test_a_one_token_write_compiles_without_the_search():
-    # a decode step's write (launch_packed_kv_write's ONE_TOKEN, session 16): the flush kernel for
+    # a decode step's write (launch_packed_kv_write's ONE_TOKEN): the flush kernel for
     # sm_90 without the binary search over the call's positions -- fewer instructions and 64-bit
     # loads than the prompt's write, no spills
     rows = _report_by_name("--only", "write")

@@ -3,13 +3,16 @@
 
 torch.compile's on-disk caches (AOTAutograd, Inductor's FX graph cache) key a compile on the graph
 Dynamo captured, where a flashloop op is one node. Its body, traced later, picks kernels and launch
-parameters from the launch tables; the backend adds their values and the package's source to the
-key, so a changed table (a ``FLASHLOOP_*`` override, a test's patch, a tuning run) or a changed
-checkout compiles again instead of reusing an earlier artifact."""
+parameters from constants in the package's source; the backend adds that source's digest to the
+key, so a changed checkout compiles again instead of reusing an earlier artifact."""
 
 from __future__ import annotations
 
-import dataclasses
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,15 +20,17 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import flashloop_compile  # noqa: F401  (registers backend="flashloop")
-from flashloop_compile.lowering.kernels import packed_kv as K
-from flashloop_compile.lowering.kernels import sparse_decode as sd
-from flashloop_compile.lowering.lowering_key import LoweringKey, lowering_key
+from flashloop_compile.lowering import lowering_key as LK
+from flashloop_compile.lowering.lowering_key import LoweringKey, lowering_key, source_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+_CHECKOUT = {"version": 1}
 
 
-@torch.library.triton_op("flashloop_test::by_table", mutates_args=())
-def _by_table(x: torch.Tensor) -> torch.Tensor:
-    # like the flashloop ops: a body that decides from a launch table while it is traced
-    return x + 1 if K.PACKED_READ["num_warps"] == 4 else x * 2
+@torch.library.triton_op("flashloop_test::by_source", mutates_args=())
+def _by_source(x: torch.Tensor) -> torch.Tensor:
+    # like the flashloop ops: a body whose trace depends on the checkout it runs from
+    return x + 1 if _CHECKOUT["version"] == 1 else x * 2
 
 
 @pytest.fixture
@@ -46,40 +51,50 @@ def fresh_caches(tmp_path, monkeypatch):
 
 def _compiled(x: torch.Tensor) -> torch.Tensor:
     torch._dynamo.reset()  # a new compile, as a new process would make (the disk caches stay)
-    return torch.compile(lambda t: torch.ops.flashloop_test.by_table(t), backend="flashloop", fullgraph=True)(x)
+    return torch.compile(lambda t: torch.ops.flashloop_test.by_source(t), backend="flashloop", fullgraph=True)(x)
 
 
-def test_a_changed_launch_table_is_compiled_again_not_taken_from_the_cache(fresh_caches, monkeypatch):
+def test_a_changed_checkout_is_compiled_again_not_taken_from_the_cache(fresh_caches, monkeypatch):
     x = torch.full((4,), 3.0)
-    monkeypatch.setitem(K.PACKED_READ, "num_warps", 4)
     assert _compiled(x).tolist() == [4.0] * 4
     assert _compiled(x).tolist() == [4.0] * 4
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the same tables: the cached artifact
-    monkeypatch.setitem(K.PACKED_READ, "num_warps", 8)
-    # without the key, the cache hands back the first artifact: 4.0, the body traced at 4 warps
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1  # the same source: the cached artifact
+    # another checkout: another body and another source digest
+    monkeypatch.setitem(_CHECKOUT, "version", 2)
+    monkeypatch.setattr(LK, "lowering_key", lambda: "another checkout")
+    # without the key, the cache hands back the first artifact: 4.0
     assert _compiled(x).tolist() == [6.0] * 4
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1
 
 
-@pytest.mark.parametrize("table, entry, value", [
-    ("FAST_DECODE", "waves", 5), ("PACKED_READ", "fused", False), ("PACKED_REFERENCE", "linear", False),
-    ("PACKED_PREFILL", "block_m", 32), ("PACKED_WRITE", "chunks", 3), ("PACKED_CORRECTION", "linear", True),
-])
-def test_the_key_follows_every_launch_table(monkeypatch, table, entry, value):
-    from flashloop_compile.lowering import tables
-
-    home = tables if table == "PACKED_CORRECTION" else K  # (the pass's table lives without Triton)
-    assert len(K.LAUNCH_TABLES) == 6 and any(t is getattr(home, table) for t in K.LAUNCH_TABLES.values())
-    before = lowering_key()
-    assert lowering_key() == before
-    monkeypatch.setitem(getattr(home, table), entry, value)
-    assert lowering_key() != before
+def test_the_key_is_the_digest_of_the_package_source(tmp_path):
+    copy = tmp_path / "flashloop_compile"
+    shutil.copytree(ROOT / "flashloop_compile", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == lowering_key()
+    kernel = copy / "lowering" / "kernels" / "packed_write.py"
+    kernel.write_text(kernel.read_text().replace('"chunks": 16', '"chunks": 8'))
+    assert source_digest(copy) != lowering_key()
 
 
-def test_the_key_follows_the_sparse_decode_config(monkeypatch):
-    before = lowering_key()
-    monkeypatch.setattr(sd, "DEFAULT_CONFIG", dataclasses.replace(sd.DEFAULT_CONFIG, num_stages_corr=1))
-    assert lowering_key() != before
+def test_compiling_with_the_features_off_needs_no_triton():
+    # a base install without Triton compiles features-off graphs: nothing on that path imports it
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton now fails
+import torch
+import flashloop_compile
+from flashloop_compile.lowering import lowering_key
+assert len(lowering_key.lowering_key()) == 32
+m = torch.nn.Linear(4, 4)
+out = torch.compile(m, backend="flashloop")(torch.randn(2, 4))
+print(tuple(out.shape), sorted(n for n in sys.modules if n.startswith("flashloop_compile.lowering")))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(2, 4)" in run.stdout
+    loaded = run.stdout.split("(2, 4)")[1]
+    kernel_modules = set(re.findall(r"flashloop_compile\.lowering\.kernels\.(\w+)", loaded))
+    assert kernel_modules <= {"common"}, kernel_modules  # the Triton kernel modules stay unimported
 
 
 class _Mine(CustomGraphPass):

@@ -29,17 +29,12 @@ import math
 import torch
 from torch import Tensor
 
+from flashloop_compile.config import ceil_fraction
+from flashloop_compile.lowering.kernels.common import key_counts
+
 __all__ = ["reference_attention", "correction_attention", "key_counts"]
 
 LIB = "flashloop"
-
-
-def key_counts(fraction: float, visible: Tensor) -> Tensor:
-    """max(1, ceil(fraction * visible)) elementwise, int32, with the decimal rounding of
-    :func:`flashloop_compile.config.ceil_fraction` (computed in float64)."""
-    n = visible.to(torch.float64)
-    k = torch.ceil(torch.round(n * fraction, decimals=9)).clamp_min(1.0)
-    return torch.where(visible > 0, k, torch.zeros_like(k)).to(torch.int32)
 
 
 def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> None:
@@ -106,7 +101,7 @@ def _reference_attention_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
         return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
-    from flashloop_compile.lowering.kernels.sparse_decode import reference_attention_triton
+    from flashloop_compile.lowering.kernels.reference_attention import reference_attention_triton
 
     return reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
 
@@ -142,7 +137,7 @@ def _correction_attention_op(
 ) -> Tensor:
     if q.device.type != "cuda":  # traced (decomposed) on another device: the ATen body
         return _correction_attention_aten(q, k, v, keys, count, mass, o_ref, c_ref, scale)
-    from flashloop_compile.lowering.kernels.sparse_decode import correction_attention_triton
+    from flashloop_compile.lowering.kernels.correction import correction_attention_triton
 
     return correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, wrap=True)
 
@@ -167,8 +162,6 @@ def reference_attention(q, k, v, mask, scale=None, fractions=(0.1,), capacities=
     """Loop-2 reference attention; see the module docstring. ``capacities`` default to ceil(f*S)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if capacities is None:
-        from flashloop_compile.config import ceil_fraction
-
         capacities = [ceil_fraction(f, k.shape[2]) for f in fractions]
     return torch.ops.flashloop.reference_attention(q, k, v, mask, float(scale), list(map(float, fractions)), list(capacities))
 

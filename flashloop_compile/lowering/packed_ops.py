@@ -1,7 +1,8 @@
 """``flashloop`` ops over the packed KV cache (SPEC.md section 3, DESIGN.md "Packed KV storage").
 
 Registered on import, in the style of :mod:`.ops`: each op is a ``torch.library.triton_op`` whose
-CUDA body launches the Triton kernels of :mod:`.kernels.packed_kv` through ``wrap_triton`` (so
+CUDA body launches the Triton kernels of :mod:`.kernels` (packed_write, packed_read,
+packed_attention) through ``wrap_triton`` (so
 Inductor sees them and they can be captured in CUDA graphs: no host syncs), with
 ``register_kernel("cpu")`` pointing at a plain-PyTorch ATen body written for clarity (the
 oracle), and a fake implementation whose ``torch._check`` calls state the contract. Traced on a
@@ -39,12 +40,10 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   o_ref, c_ref, inflight_positions, k_inflight, v_inflight, depth, <cache>, scale) -> out``: sparse
   decode's correction at ``depth`` (``correction_attention``) over the history as ``packed_read``
   returns it at the selected keys: equal to ``packed_read`` of ``selected_positions`` then
-  ``correction_attention`` over that compact read with ``local_keys`` (the kv_quant pass's form
-  with ``tables.PACKED_CORRECTION`` "read_attend" off). The pass emits this op when
-  "read_attend" (the default) or "linear" is on: its CUDA body reconstructs and attends the
-  selected keys in registers (one query row per kv head: ``correction_read_attend``), or with
-  "linear" scores and weights them on their codes; neither writes a BF16 copy of the selected
-  keys. Several query rows or heads per kv head run the two-op form inside the op.
+  ``correction_attention`` over that compact read with ``local_keys``. Its CUDA body for one
+  query row per kv head reconstructs and attends the selected keys in registers
+  (``correction_read_attend``), without a BF16 copy of them; several query rows or heads per kv
+  head run the read then the correction inside the op.
 
 Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
 depth d passes only the tokens active at d, whose last position can lie far before the prompt's
@@ -59,10 +58,11 @@ import math
 import torch
 from torch import Tensor
 
+from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
-from flashloop_compile.lowering.tables import PACKED_CORRECTION
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
-from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedKVCache
+from flashloop_compile.lowering.ops import _correction_attention_aten, _reference_attention_aten, reference_fake
+from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache
 
 __all__ = [
     "packed_kv_write",
@@ -70,7 +70,6 @@ __all__ = [
     "packed_attention",
     "packed_reference_attention",
     "packed_correction_attention",
-    "correction_on_codes",
     "selected_positions",
     "local_keys",
     "no_inflight",
@@ -83,7 +82,6 @@ __all__ = [
 ]
 
 LIB = "flashloop"
-CACHE_NAMES = LAYER_TENSOR_NAMES + MODEL_TENSOR_NAMES
 WRITE_MUTATES = tuple(n for n in CACHE_NAMES if n != "res_layout")
 
 
@@ -192,8 +190,6 @@ def _read_fake(*args):
 
 
 def _reference_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
-    from flashloop_compile.lowering.ops import reference_fake
-
     *cache, mask, scale, fractions, capacities = rest
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     torch._check(q.dim() == 4 and q.shape[0] <= B, lambda: f"q must be [B <= {B}, Hq, T, D], got {tuple(q.shape)}")
@@ -392,8 +388,6 @@ def packed_reference_attention_aten(q, inflight_positions, k_inflight, v_infligh
     """ATen body of ``flashloop::packed_reference_attention``: sparse decode's loop-2 reference
     (``reference_attention``) over the whole history at ``depth`` as ``packed_read`` returns it
     (positions 0..S-1, this step's tokens in flight)."""
-    from flashloop_compile.lowering.ops import _reference_attention_aten
-
     *cache, mask, scale, fractions, capacities = rest
     grid = torch.arange(cache[0].shape[2], device=q.device)[None].expand(q.shape[0], -1)
     k, v = packed_read_aten(*cache, grid, depth, inflight_positions, k_inflight, v_inflight)
@@ -462,10 +456,7 @@ def local_keys(keys: Tensor, kv_heads: int) -> Tensor:
 def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, inflight_positions, k_inflight, v_inflight,
                                      depth, *rest) -> Tensor:
     """The correction over the packed history: packed_read of the selected keys, then
-    correction_attention over that compact read (the kv_quant pass's two-op form, with
-    PACKED_CORRECTION "read_attend" off)."""
-    from flashloop_compile.lowering.ops import _correction_attention_aten
-
+    correction_attention over that compact read."""
     *cache, scale = rest
     kv_heads = cache[0].shape[1]
     k_sel, v_sel = packed_read_aten(*cache, selected_positions(keys, count, kv_heads), depth, inflight_positions,
@@ -480,31 +471,27 @@ def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, infligh
 T_ = Tensor  # short alias for the long signatures below
 
 
-def _kernels():
-    """The Triton kernels, imported on first CUDA use (CPU installs need no Triton)."""
-    from flashloop_compile.lowering.kernels import packed_kv
-
-    return packed_kv
+# The Triton kernel modules are imported in the CUDA bodies, on first use (CPU installs need no Triton).
 
 
 def _read_window(cache: tuple, depth: int, inflight: tuple, batch: int) -> tuple[Tensor, Tensor, Tensor]:
     """The code-domain kernels' window at ``depth``: (lo [B], k, v [B, Hkv, NW, D]) with the
-    positions lo[b] .. lo[b] + NW - 1 (the ring and this step's tokens, ``sparse_decode.linear_window``)
+    positions lo[b] .. lo[b] + NW - 1 (the ring and this step's tokens, ``reference_attention.linear_window``)
     read as packed_read returns them; below lo[b] the kernels read the codes themselves."""
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels import packed_read
+    from flashloop_compile.lowering.kernels.reference_attention import linear_window
 
-    lo, window = sd.linear_window(cache, depth, inflight[0])
+    lo, window = linear_window(cache, depth, inflight[0])
     k_base, k_tail = cache[0], cache[12]
     kw = torch.empty(batch, k_base.shape[1], window.shape[1], 2 * k_base.shape[3], dtype=k_tail.dtype,
                      device=k_base.device)
     vw = torch.empty_like(kw)
-    kv = _kernels()
     # every tile of the window is per-token (the ring, the step's tokens): a chain of dependent
     # loads per sub-tile. PACKED_READ["window_block_p"] positions per program, one sub-tile each,
     # instead of the read's generic_split sub-tiles in turn (the launch as long as that many chains)
-    wb = int(kv.PACKED_READ["window_block_p"] or 0)
-    tiles = dict(block_p=wb, split=1) if wb and not kv._interpreting() else {}
-    kv.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton, **tiles)
+    wb = packed_read.PACKED_READ["window_block_p"]
+    tiles = dict(block_p=wb, split=1) if not common.cpu_semantics(k_base.device) else {}
+    packed_read.launch_packed_read(cache, window, depth, kw, vw, inflight=inflight, wrap=wrap_triton, **tiles)
     return lo, kw, vw
 
 
@@ -521,7 +508,9 @@ def _packed_kv_write(
     if k.device.type != "cuda":
         torch.ops.flashloop.packed_kv_write_aten(*cache, k, v, positions, depth)
         return
-    _kernels().launch_packed_kv_write(cache, k, v, positions, depth, wrap=wrap_triton)
+    from flashloop_compile.lowering.kernels.packed_write import launch_packed_kv_write
+
+    launch_packed_kv_write(cache, k, v, positions, depth, wrap=wrap_triton)
 
 
 @torch.library.triton_op(f"{LIB}::packed_read", mutates_args=())
@@ -540,7 +529,9 @@ def _packed_read(
     shape = (positions.shape[0], k_base.shape[1], positions.shape[-1], 2 * k_base.shape[3])
     out_k = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
     out_v = torch.empty(shape, dtype=k_tail.dtype, device=positions.device)
-    _kernels().launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=wrap_triton)
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
+
+    launch_packed_read(cache, positions, depth, out_k, out_v, inflight=inflight, wrap=wrap_triton)
     return out_k, out_v
 
 
@@ -558,33 +549,11 @@ def _packed_attention(
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_attention_aten(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *cache, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    K = _kernels()
-    if K.FAST_DECODE["gluon"]:
-        from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels.packed_attention import launch_packed_attention
 
-        if sd.linear_decode_fits(q, cache, depth):
-            # one-row decode on tensor cores: the bulk in the code domain, a window of the ring and
-            # in-flight tokens read as the loop-2 reference does, the visibility rule of the ATen body
-            S = k_base.shape[2]
-            lo, kw, vw = _read_window(cache, depth, (inflight_positions, k_inflight, v_inflight), q.shape[0])
-            sd.linear_decode_triton(q, kw, vw, decode_visibility(q_positions, inflight_positions, S), scale,
-                                    (cache, depth, lo), out)
-            return out
-    K.launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
-                              wrap=wrap_triton)
+    launch_packed_attention(cache, q, k_inflight, v_inflight, q_positions, inflight_positions, depth, scale, out,
+                            wrap=wrap_triton)
     return out
-
-
-def decode_visibility(q_positions: Tensor, inflight_positions: Tensor, max_seq: int) -> Tensor:
-    """[B, 1, 1, S] bool: the keys one decode row (q_positions [B, 1]) sees, by packed_attention_aten's
-    rule: stored positions below the stored end and in-flight positions (not -1), at or before the
-    query's position (a row at -1 sees none). Device ops only."""
-    n = torch.arange(max_seq, device=q_positions.device)[None, :]
-    qpos = q_positions[:, :1]
-    vis = (n < stored_end(q_positions, inflight_positions, max_seq)[:, None]).to(torch.uint8)
-    ipv = ((inflight_positions >= 0) & (inflight_positions <= qpos)).to(torch.uint8)
-    vis = vis.scatter_reduce(1, inflight_positions.clamp(0, max_seq - 1).long(), ipv, reduce="amax")
-    return ((vis != 0) & (n <= qpos) & (qpos >= 0))[:, None, None, :]
 
 
 @torch.library.triton_op(f"{LIB}::packed_reference_attention", mutates_args=())
@@ -601,53 +570,40 @@ def _packed_reference_attention(
     inflight = (inflight_positions, k_inflight, v_inflight)
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_reference_attention_aten(q, *inflight, depth, *cache, mask, scale, fractions, capacities)
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels import reference_attention as ra
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
 
-    K = _kernels()
     S, D = k_base.shape[2], 2 * k_base.shape[3]
-    if K.PACKED_REFERENCE["linear"] and sd.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
-        # the bulk in the code domain, a window of the ring and in-flight tokens read
+    if ra.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
+        # one query row per kv head: the bulk in the code domain, a window of the ring and
+        # in-flight tokens read
         lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
-        return sd.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
+        return ra.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
                                              linear=(cache, depth, lo))
+    # other shapes: the whole history read, then the reference over it
     grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
     k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
     v = torch.empty_like(k)
-    fused = bool(K.PACKED_REFERENCE["fused"])
-    K.launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton, skip_bulk=fused)
-    packed = None
-    if fused:
-        packed = (cache, depth, K.first_inflight(inflight_positions, S))
-    return sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, packed=packed)
-
-
-def correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float) -> Tensor:
-    """packed_correction_attention's body for one query row per kv head: the selected keys below
-    the window scored and weighted on their codes, the window (ring, in-flight tokens) read
-    (``sparse_decode.correction_linear_triton``; on tensor cores with KernelConfig.correction_mma).
-    Runs the Triton kernels (the interpreter's on CPU tensors: tests)."""
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
-
-    lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
-    return sd.correction_linear_triton(q, kw, vw, keys, count, mass, o_ref, c_ref, scale, (cache, depth, lo), wrap=True)
+    launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton)
+    return ra.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
 
 
 def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float, *,
                            block_p: int | None = None) -> Tensor:
     """packed_correction_attention's body for one query row per kv head (the default): the
     selected keys reconstructed and attended in registers, one softmax partial per tile
-    (``packed_kv.launch_packed_read_attend``), then combined with O_ref - C_ref
-    (``sparse_decode.correction_combine_triton``): the read-then-correct values without the BF16
+    (``packed_read.launch_packed_read_attend``), then combined with O_ref - C_ref
+    (``correction.correction_combine_triton``): the read-then-correct values without the BF16
     copy of the selected keys. Runs the Triton kernels (the interpreter's on CPU tensors: tests);
     ``block_p``: keys per program (tests)."""
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels.correction import correction_combine_triton
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read_attend
 
-    K = _kernels()
-    part_m, part_l, part_acc, nt = K.launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
+    part_m, part_l, part_acc, nt = launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
                                                                 wrap=wrap_triton, block_p=block_p)
     out = torch.empty_like(q)
     # 8 warps past 32 partials per row (103 at 32K): the [partials, D] tile stays in registers
-    sd.correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True,
+    correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True,
                                  num_warps=4 if nt <= 32 else 8)
     return out
 
@@ -668,21 +624,19 @@ def _packed_correction_attention(
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, *inflight,
                                                                     depth, *cache, scale)
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
+    from flashloop_compile.lowering.kernels.correction import correction_attention_triton
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read, read_attend_fits
 
-    K = _kernels()
     hkv, D = k_base.shape[1], 2 * k_base.shape[3]
-    if PACKED_CORRECTION["linear"] and q.shape[1] == hkv and q.shape[2] == 1 and not D & (D - 1):
-        return correction_on_codes(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
-    if K.read_attend_fits(q, cache):
+    if read_attend_fits(q, cache):
         return correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth, cache, scale)
     # several query rows or query heads per kv head: the compact read, then the correction over it
     sel = selected_positions(keys, count, hkv)
     shape = (q.shape[0], hkv, sel.shape[-1], D)
     k_sel = torch.empty(shape, dtype=k_tail.dtype, device=q.device)
     v_sel = torch.empty_like(k_sel)
-    K.launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=inflight, wrap=wrap_triton)
-    return sd.correction_attention_triton(q, k_sel, v_sel, local_keys(keys, hkv), count, mass, o_ref, c_ref, scale,
+    launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=inflight, wrap=wrap_triton)
+    return correction_attention_triton(q, k_sel, v_sel, local_keys(keys, hkv), count, mass, o_ref, c_ref, scale,
                                           wrap=True)
 
 
@@ -692,10 +646,10 @@ def _mma_linear_scores(q: T_, k: T_, mask: T_, probs: T_, part_m: T_, part_l: T_
                        rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
     """The code-domain reference scores on tensor cores (kernels/gluon_scores.py, a Gluon kernel:
     opaque to Inductor, whose wrap_triton analyses tl kernels only), launched by
-    sparse_decode.reference_attention_triton: fills probs [B * Hkv, S] and the split partials
+    reference_attention.reference_attention_triton: fills probs [B * Hkv, S] and the split partials
     part_m / part_l [B * Hkv, split] as _scores_linear_kernel does. Registered here with the other
     ops, on import: Inductor's cached code calls it by name, in a process that may never have traced
-    the reference's body (session 13)."""
+    the reference's body."""
     from flashloop_compile.lowering.kernels.gluon_scores import launch_scores
 
     launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
@@ -712,7 +666,7 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
                    v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
                    rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
     """The code-domain reference PV on tensor cores (kernels/gluon_pv.py, Gluon: opaque to
-    Inductor), launched by sparse_decode.reference_attention_triton: fills the split partials
+    Inductor), launched by reference_attention.reference_attention_triton: fills the split partials
     part_o [split, 2 R, D] / part_mass [split, 2 R] as _pv_linear_kernel does. Registered on
     import, as mma_linear_scores."""
     from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
@@ -722,60 +676,6 @@ def _mma_linear_pv(probs: T_, v: T_, thr: T_, cut: T_, part_o: T_, part_mass: T_
 
 
 @_mma_linear_pv.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op(f"{LIB}::mma_linear_decode_pv", mutates_args=("part_o", "part_mass"))
-def _mma_linear_decode_pv(scores: T_, v: T_, part_m: T_, part_l: T_, part_o: T_, part_mass: T_, lo: T_,
-                          v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
-                          rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
-    """mma_linear_pv for decode (sparse_decode.linear_decode_triton): no selection, the
-    probabilities formed from the scaled scores and their split partials part_m / part_l [R, split_a]."""
-    from flashloop_compile.lowering.kernels.gluon_pv import launch_pv
-
-    launch_pv(scores, v, None, None, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk, split, depth, part_m=part_m, part_l=part_l)
-
-
-@_mma_linear_decode_pv.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op(f"{LIB}::mma_gather_scores", mutates_args=("scores", "part_m", "part_l"))
-def _mma_gather_scores(q: T_, k: T_, keys: T_, count: T_, scores: T_, part_m: T_, part_l: T_, lo: T_,
-                       k_base: T_, k_base_min: T_, k_base_scale: T_, k_res: T_, k_res_min: T_, k_res_scale: T_,
-                       rows: T_, res_layout: T_, scale: float, chunk: int, split: int, depth: int) -> None:
-    """A code-domain correction's scores over loop 2's selected keys on tensor cores
-    (kernels/gluon_scores.py, Gluon: opaque to Inductor), launched by
-    sparse_decode.correction_linear_triton: fills scores [R, KMAX] and the split partials
-    part_m / part_l [R, split]. Registered on import, as mma_linear_scores."""
-    from flashloop_compile.lowering.kernels.gluon_scores import launch_gather_scores
-
-    launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
-                         k_res_min, k_res_scale, rows, res_layout, scale, chunk, split, depth)
-
-
-@_mma_gather_scores.register_fake
-def _(*args):
-    return None
-
-
-@torch.library.custom_op(f"{LIB}::mma_gather_pv", mutates_args=("part_m", "part_l", "part_acc"))
-def _mma_gather_pv(scores: T_, v: T_, keys: T_, count: T_, part_m: T_, part_l: T_, part_acc: T_, lo: T_,
-                   score_m: T_, score_l: T_, v_base: T_, v_base_min: T_, v_base_scale: T_, v_res: T_, v_res_min: T_,
-                   v_res_scale: T_, rows: T_, res_layout: T_, chunk: int, split: int, depth: int) -> None:
-    """The same correction's probabilities times V over the selected keys on tensor cores
-    (kernels/gluon_pv.py): _correction_combine_kernel's partials part_m / part_l [R, split] and
-    part_acc [R, split, D]. Registered on import, as mma_linear_scores."""
-    from flashloop_compile.lowering.kernels.gluon_pv import launch_gather_pv
-
-    launch_gather_pv(scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l, v_base, v_base_min,
-                     v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, chunk, split, depth)
-
-
-@_mma_gather_pv.register_fake
 def _(*args):
     return None
 
@@ -824,13 +724,13 @@ for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_o
 # ------------------------------------------------------------------------------------------------
 
 
-def packed_kv_write(cache: PackedKVCache, layer: int, k: Tensor, v: Tensor, positions: Tensor, depth: int) -> None:
+def packed_kv_write(cache: PackedCache, layer: int, k: Tensor, v: Tensor, positions: Tensor, depth: int) -> None:
     """Write depth ``depth`` of k/v [B, H, T, D] at positions [B, T] into ``cache``'s layer."""
     torch.ops.flashloop.packed_kv_write(*cache.op_tensors(layer), k, v, positions, int(depth))
 
 
 def packed_read(
-    cache: PackedKVCache, layer: int, positions: Tensor, depth: int,
+    cache: PackedCache, layer: int, positions: Tensor, depth: int,
     inflight: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Logical (k, v) [B, H, P, D] at ``depth`` of positions [B, P] (every head) or [B, H, P] (each
@@ -842,7 +742,7 @@ def packed_read(
 
 
 def packed_reference_attention(
-    cache: PackedKVCache, layer: int, q: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, mask: Tensor,
+    cache: PackedCache, layer: int, q: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, mask: Tensor,
     scale: float, fractions: list[float], capacities: list[int],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Sparse decode's loop-2 reference (``reference_attention``'s outputs) over ``cache``'s whole
@@ -853,7 +753,7 @@ def packed_reference_attention(
 
 
 def packed_correction_attention(
-    cache: PackedKVCache, layer: int, q: Tensor, keys: Tensor, count: Tensor, mass: Tensor, o_ref: Tensor,
+    cache: PackedCache, layer: int, q: Tensor, keys: Tensor, count: Tensor, mass: Tensor, o_ref: Tensor,
     c_ref: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, scale: float,
 ) -> Tensor:
     """Sparse decode's correction at ``depth`` over ``cache``'s history at the selected keys (keys
@@ -863,14 +763,14 @@ def packed_correction_attention(
         q, keys, count, mass, o_ref, c_ref, *inflight, int(depth), *cache.op_tensors(layer), float(scale))
 
 
-def no_inflight(cache: PackedKVCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
+def no_inflight(cache: PackedCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
     """Empty in-flight arguments (Ti = 0) for a packed_read of stored tokens only."""
     rows = torch.empty(batch, cache.kv_heads, 0, cache.head_dim, dtype=cache.dtype, device=device)
     return torch.empty(batch, 0, dtype=torch.long, device=device), rows, rows.clone()
 
 
 def packed_attention(
-    cache: PackedKVCache, layer: int, q: Tensor, k_inflight: Tensor, v_inflight: Tensor,
+    cache: PackedCache, layer: int, q: Tensor, k_inflight: Tensor, v_inflight: Tensor,
     q_positions: Tensor, inflight_positions: Tensor, depth: int, scale: float | None = None,
 ) -> Tensor:
     """Causal attention at ``depth`` over the packed store and the in-flight keys."""

@@ -31,11 +31,12 @@ import math
 import torch
 from torch import Tensor
 
+from flashloop_compile.lowering.kernels.common import SUPPORTED_HEAD_DIMS
+
 
 __all__ = ["position_attention", "position_attention_aten"]
 
 LIB = "flashloop"
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # the kernel's constexpr head dims
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

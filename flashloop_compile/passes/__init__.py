@@ -3,7 +3,7 @@
 ``PASS_ORDER`` is the fixed order the manager runs them in.
 """
 
-from flashloop_compile.passes.manager import FlashLoopPass, PassManager, RewriteReport, graph_phase
+from flashloop_compile.passes.manager import PASS_ORDER, FlashLoopPass, PassManager, RewriteReport, graph_phase
 from flashloop_compile.passes.recognize import (
     AttentionSite,
     CacheSite,
@@ -25,12 +25,6 @@ from flashloop_compile.passes.position_attention import PositionAttentionPass
 from flashloop_compile.passes.sparse_decode import SparseDecodeAttentionPass
 from flashloop_compile.passes.token_sparse import TokenSparsePrefillPass
 
-# Token-sparse prefill re-emits loop bodies and sparse decode replaces attention; the exact
-# position-attention rewrite (a compilation option) takes the prefill sites left as SDPA; KV
-# quantization runs last because it rewrites every cache write and read the others leave behind.
-PASS_ORDER: list[type[FlashLoopPass]] = [
-    TokenSparsePrefillPass, SparseDecodeAttentionPass, PositionAttentionPass, KVResidualQuantizationPass,
-]
 
 __all__ = [
     "PASS_ORDER",

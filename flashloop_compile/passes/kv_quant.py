@@ -9,13 +9,10 @@ At each attention site (loop d, layer i) with an in-place cache:
   step's own tokens exactly (in flight);
 - loop 2's reference (which attends to every key) becomes ``flashloop.packed_reference_attention``
   over the whole history at its depth (the packed tiles, the step's tokens in flight); a
-  correction at loops 3..R (an op that takes K/V tensors) reads only the keys
-  its reference selected, per kv head (``packed_read`` of [B, Hkv, P] positions, P = query heads
-  per kv head x query rows x key capacity), and indexes that compact read; with
-  ``tables.PACKED_CORRECTION["read_attend"]`` or ``["linear"]`` (opt-in) it becomes one
-  ``flashloop.packed_correction_attention`` instead, which reads the selected keys itself and
-  attends them in one pass (no BF16 copy of them). Either way the step's own tokens are their exact in-flight K/V (in-flight
-  arguments: no merge after a read).
+  correction at loops 3..R becomes ``flashloop.packed_correction_attention``, which reads only
+  the keys its reference selected and attends them (one query row per kv head: in one pass, no
+  BF16 copy of them). The step's own tokens are their exact in-flight K/V (in-flight arguments:
+  no merge after a read).
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
 in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
@@ -34,9 +31,8 @@ import torch
 import torch.fx as fx
 
 from flashloop_compile.lowering.packed_ops import local_keys, selected_positions
-from flashloop_compile.lowering.tables import PACKED_CORRECTION
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
-from flashloop_compile.passes.manager import FlashLoopPass
+from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe, require_inplace_cache
 from flashloop_compile.passes.sparse_decode import site_scale
 
@@ -80,9 +76,7 @@ class KVResidualQuantizationPass(FlashLoopPass):
             f"2..{structure.num_loops}, group {q.group_size}, BF16 tail {q.tail}..{q.tail + q.group_size - 1})",
             f"{n} attention sites read the packed cache directly (flashloop.packed_attention; under sparse decode "
             f"the loop-2 reference becomes flashloop.packed_reference_attention, its corrections "
-            + ("flashloop.packed_correction_attention over the selected keys' codes)" if PACKED_CORRECTION["linear"]
-               else "flashloop.packed_correction_attention, the selected keys read and attended in one pass)"
-               if PACKED_CORRECTION["read_attend"] else "read the selected keys through flashloop.packed_read)"),
+            "flashloop.packed_correction_attention, the selected keys read and attended in one pass)",
         ]
 
     def apply(self, gm: fx.GraphModule, structure: LoopStructure) -> int:
@@ -132,7 +126,7 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 graph.erase_node(consumer)
                 ctx.replaced[site.node] = out
                 after = out
-            elif name == "flashloop.correction_attention" and (PACKED_CORRECTION["linear"] or PACKED_CORRECTION["read_attend"]):
+            elif name == "flashloop.correction_attention":
                 # one op over the packed history: no BF16 copy of the selected keys
                 q_c, _k, _v, keys, count, mass, o_ref, c_ref, scale = consumer.args
                 with graph.inserting_before(consumer):
@@ -143,21 +137,6 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 consumer.replace_all_uses_with(out)
                 graph.erase_node(consumer)
                 after = out
-            elif name == "flashloop.correction_attention":
-                keys, count = consumer.args[3], consumer.args[4]
-                kv_heads = shape_of(k_in)[1]
-                with graph.inserting_before(consumer):
-                    sel = graph.call_function(selected_positions, (keys, count, kv_heads))
-                    read = graph.call_function(
-                        torch.ops.flashloop.packed_read.default, cache_args + (sel, d, all_pos, k_in, v_in)
-                    )
-                    k_sel = graph.call_function(operator.getitem, (read, 0))
-                    v_sel = graph.call_function(operator.getitem, (read, 1))
-                    local = graph.call_function(local_keys, (keys, kv_heads))
-                args = list(consumer.args)
-                args[1], args[2], args[3] = k_sel, v_sel, local
-                consumer.args = tuple(args)
-                after = consumer
             elif name == "flashloop.reference_attention":
                 q_ref, _k, _v, mask, scale, fractions, capacities = consumer.args
                 with graph.inserting_before(consumer):

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from flashloop_compile.lowering.prefill_ops import SUPPORTED_HEAD_DIMS
 from flashloop_compile.passes.graph import op_name, shape_of
-from flashloop_compile.passes.manager import FlashLoopPass
+from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe
 from flashloop_compile.passes.sparse_decode import site_scale
 

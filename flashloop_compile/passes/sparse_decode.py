@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from flashloop_compile.config import ceil_fraction
 from flashloop_compile.passes.graph import dtype_of, is_op, sdpa_args, shape_of
-from flashloop_compile.passes.manager import FlashLoopPass
+from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import AttentionSite, LoopStructure, UnsupportedAttentionError, describe
 
 __all__ = ["SparseDecodeAttentionPass"]

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from flashloop_compile.lowering.selection_ops import ratio_fraction, selected_count
 from flashloop_compile.passes.graph import runtime_buffer, shape_of, val
-from flashloop_compile.passes.manager import FlashLoopPass
+from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe, require_inplace_cache
 from flashloop_compile.passes.sparse_decode import site_scale
 

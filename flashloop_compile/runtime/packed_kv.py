@@ -53,6 +53,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
+
 __all__ = ["PackedKVCache", "PackedKVLayer", "PackedKVBytes", "PackedKVOverflowError", "LAYER_TENSOR_NAMES", "MODEL_TENSOR_NAMES"]
 
 PARAM_DTYPE = torch.float16
@@ -88,8 +90,7 @@ class PackedKVLayer:
         return tuple(getattr(self, f.name) for f in fields(self))
 
 
-LAYER_TENSOR_NAMES = tuple(f.name for f in fields(PackedKVLayer))
-MODEL_TENSOR_NAMES = ("rows", "depth_count", "res_layout", "overflow")
+assert tuple(f.name for f in fields(PackedKVLayer)) == LAYER_TENSOR_NAMES  # the ops' order (lowering/packed_layout.py)
 
 
 @dataclass

@@ -42,15 +42,7 @@ CONFIGS = {
     "sparse_decode": {"sparse_decode_attention.enabled": True},
     "quant": {"kv_residual_quantization.enabled": True},
     "all_on": {f"{g}.enabled": True for g in _FEATURES},
-    # all on with the opt-in code-domain correction (tables.PACKED_CORRECTION["linear"]):
-    # flashloop.packed_correction_attention at loops 3 and 4 inside the captured graphs
-    "all_on_linear_correction": {f"{g}.enabled": True for g in _FEATURES},
-    # ... and with the correction's selected keys read to BF16, then corrected (PACKED_CORRECTION
-    # "read_attend" off; "all_on" reads and attends them in one pass, the default)
-    "all_on_copy_correction": {f"{g}.enabled": True for g in _FEATURES},
 }
-LINEAR_CORRECTION = {"all_on_linear_correction"}
-COPY_CORRECTION = {"all_on_copy_correction"}
 MAX_BATCH, MAX_SEQ = 4, 256
 # slot 0 crosses position 192 in its second step (a packed-tail flush in a bucket-1 replay), slot 1
 # crosses 128 in the last step of its first round (a flush in a bucket-2 replay); 16 + 12 + 8
@@ -110,10 +102,6 @@ def _assert_state_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 # -- the test -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_graph_replay_equals_direct_execution_and_each_bucket_is_captured_once(name, model, monkeypatch):
-    from flashloop_compile.lowering import tables
-
-    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", name in LINEAR_CORRECTION)  # read by the pass
-    monkeypatch.setitem(tables.PACKED_CORRECTION, "read_attend", name not in COPY_CORRECTION)
     torch._dynamo.reset()
     config = FlashLoopConfig.from_dict(CONFIGS[name])
     engine = Engine(model, config, max_batch=MAX_BATCH, max_seq=MAX_SEQ, cuda_graphs=True,

@@ -101,15 +101,15 @@ def test_write_and_attention_match_aten(B, S, lengths):
     pos = torch.arange(max(starts), device="cuda")[None].repeat(B, 1)
     for b, n in enumerate(starts):
         pos[b, n:] = -1
-    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import packed_decode as PD, packed_read as PR, sparse_config as SC
 
     for d in range(R):
         ka, va = P.packed_read_aten(*ca.op_tensors(0), pos, d, *P.no_inflight(ca, B, pos.device))
         kk, vk = P.packed_read(ck, 0, pos, d)
         assert torch.equal(ka, kk) and torch.equal(va, vk)
-        # the generic read alone (PACKED_READ["bulk"] off) writes the same values
+        # the generic read alone writes the same values
         gk, gv = torch.empty_like(kk), torch.empty_like(vk)
-        K.launch_packed_read(ck.op_tensors(0), pos, d, gk, gv, bulk=False)
+        PR.launch_packed_read(ck.op_tensors(0), pos, d, gk, gv, bulk=False)
         assert torch.equal(ka, gk) and torch.equal(va, gv), f"generic read, depth {d}"
         # scattered per-head positions (a correction's selected keys): bulk tiles and the rest
         sel = torch.randint(-1, max(starts), (B, H, 600), device="cuda")
@@ -124,16 +124,10 @@ def test_write_and_attention_match_aten(B, S, lengths):
         kk, vk = P.packed_read(ck, 0, sel, d, inflight=flight)
         assert torch.equal(ka, kk) and torch.equal(va, vk), f"selected keys in flight, depth {d}"
         assert torch.equal(kk[:, :, 0], flight[1][:, :, 0])
-        # the fused read (PACKED_READ["fused"], the default: one launch) and the two-launch read
-        for fused in (True, False):
-            fk, fv = torch.full_like(kk, float("nan")), torch.full_like(vk, float("nan"))
-            saved = K.PACKED_READ["fused"]
-            K.PACKED_READ["fused"] = fused
-            try:
-                K.launch_packed_read(ck.op_tensors(0), sel, d, fk, fv, inflight=flight)
-            finally:
-                K.PACKED_READ["fused"] = saved
-            assert torch.equal(ka, fk) and torch.equal(va, fv), f"fused={fused} read, depth {d}"
+        # into poisoned outputs: the one launch writes every row
+        fk, fv = torch.full_like(kk, float("nan")), torch.full_like(vk, float("nan"))
+        PR.launch_packed_read(ck.op_tensors(0), sel, d, fk, fv, inflight=flight)
+        assert torch.equal(ka, fk) and torch.equal(va, fv), f"poisoned read, depth {d}"
 
 
 def test_prefill_chunk_attention_matches_aten():
@@ -199,15 +193,12 @@ def test_cuda_graph_replay_equals_eager():
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2, "maxnreg": 128, "linear": False}, {"linear": False},
-                                         {"mma": True}],
-                         ids=["defaults", "reconstructing_bn16_maxnreg", "reconstructing", "mma"])
+@pytest.mark.parametrize("fast_decode", [{}, {"block_n": 16, "num_stages": 2}], ids=["defaults", "bn16_stages2"])
 def test_torch_compile_fullgraph(fast_decode, monkeypatch):
-    # the bulk kernel with maxnreg launches through a one-config autotuner under wrap_triton
-    from flashloop_compile.lowering.kernels import packed_kv as K
+    from flashloop_compile.lowering.kernels import packed_decode as PD, packed_read as PR, sparse_config as SC
 
     for key, value in fast_decode.items():
-        monkeypatch.setitem(K.FAST_DECODE, key, value)
+        monkeypatch.setitem(PD.FAST_DECODE, key, value)
     torch._dynamo.reset()
     B, S = 2, 4096
     g = torch.Generator().manual_seed(3)
@@ -234,7 +225,7 @@ def test_torch_compile_fullgraph(fast_decode, monkeypatch):
         P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
         ref.append(P.packed_attention_aten(q, fk, fv, pos, fpos, d, *ca.op_tensors(0), 0.088))
     eager = f(ce.op_tensors(0), q, step)
-    # backend="flashloop" (features off: Inductor with the compile caches keyed on the launch tables,
+    # backend="flashloop" (features off: Inductor with the compile caches keyed on the package source,
     # lowering_key.py): plain Inductor handed one parametrization the artifact another compiled
     compiled = torch.compile(f, backend="flashloop", fullgraph=True)(cc.op_tensors(0), q, step)
     for x, y, r in zip(compiled, eager, ref):
@@ -269,26 +260,20 @@ def _assert_keys_mostly_shared(a, b):
 
 
 def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
-    # gluon_scores (the code-domain reference scores on tensor cores, session 13) against
-    # _scores_linear_kernel on the same packed history: 4 x 8K ragged, token-sparse residuals,
+    # gluon_scores (the code-domain reference scores on tensor cores) against _scores_linear_kernel
+    # (the body where the Gluon kernel does not fit) on the same packed history: 4 x 8K ragged, token-sparse residuals,
     # the window (ring, in-flight token) included; q' in fp16 moves scores by ~1e-3, so outputs
     # agree within the bf16 tolerance, counts exactly, and almost all selected keys
-    import dataclasses
-
-    from flashloop_compile.lowering.kernels import packed_kv as K
-    from flashloop_compile.lowering.kernels import sparse_decode as SD
+    from flashloop_compile.lowering.kernels import gluon_scores
+    from flashloop_compile.lowering.kernels import packed_decode as PD, packed_read as PR, sparse_config as SC
 
     torch._dynamo.reset()
     c, args = _reference_case(12)
     q = args[0]
-    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=False))
-    tl_out = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, scores_mma=True))
-    from flashloop_compile.lowering.kernels import gluon_scores
-
-    assert gluon_scores.fits(q, D, c.group_size, SD.DEFAULT_CONFIG.block_n_linear, 1)
+    assert gluon_scores.fits(q, D, c.group_size, SC.DEFAULT_CONFIG.block_n_linear, 1)
+    with monkeypatch.context() as m:
+        m.setattr(gluon_scores, "fits", lambda *a: False)
+        tl_out = torch.ops.flashloop.packed_reference_attention(*args)
     mma_out = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
                              fullgraph=True)(*args)
@@ -304,24 +289,18 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
 
 
 def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
-    # gluon_pv (the code-domain reference PV on tensor cores, session 14) against _pv_linear_kernel
+    # gluon_pv (the code-domain reference PV on tensor cores) against _pv_linear_kernel
     # after the same scores and selection: 4 x 8K ragged, token-sparse residuals, the window
     # included. The selection is the same (keys, counts equal); O_ref / C_ref carry W's fp16
     # rounding (11 bits) and agree with the tl kernel within 2e-3, with ATen within bf16's tolerance
-    import dataclasses
-
     from flashloop_compile.lowering.kernels import gluon_pv
-    from flashloop_compile.lowering.kernels import packed_kv as K
-    from flashloop_compile.lowering.kernels import sparse_decode as SD
 
     torch._dynamo.reset()
     c, args = _reference_case(13)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", True)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=False))
-    tl_out = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, pv_mma=True))
     assert gluon_pv.fits(args[0], D, c.group_size, 1)
+    with monkeypatch.context() as m:
+        m.setattr(gluon_pv, "fits", lambda *a: False)
+        tl_out = torch.ops.flashloop.packed_reference_attention(*args)
     mma_out = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
                              fullgraph=True)(*args)
@@ -339,21 +318,13 @@ def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
 
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 @pytest.mark.parametrize("depth", [2, 3])
-def test_the_code_domain_correction_matches_read_then_correct(depth, order, monkeypatch):
-    # The CUDA bodies of flashloop.packed_correction_attention: without "linear", the selected keys
-    # read and attended in one pass (session 17, PACKED_CORRECTION["read_attend"]'s op); with
-    # tables.PACKED_CORRECTION["linear"] (session 15) loop 2's selected keys scored and weighted on their
-    # codes, on tensor cores (gluon_scores / gluon_pv's gather kernels, KernelConfig.correction_mma)
-    # and with the tl kernel (_correction_linear_kernel) -- against its ATen body (read, then
-    # correct) and the default CUDA two-op form (compact packed_read + correction_attention), eager
-    # and compiled:
+def test_the_read_attend_correction_matches_read_then_correct(depth, order):
+    # The CUDA body of flashloop.packed_correction_attention for one query row per kv head: the
+    # selected keys read and attended in one pass -- against its ATen body (read, then correct) and
+    # the CUDA two-op form (compact packed_read + correction_attention), eager and compiled:
     # 4 x 8K ragged with token-sparse residuals at every depth, loop 2's selection (fraction 0.1)
     # from the packed reference, a loop-3/4 query and in-flight token; the keys in the selection's
     # ascending order and shuffled (the kernels take any order)
-    import dataclasses
-
-    from flashloop_compile.lowering.kernels import sparse_decode as SD
-
     torch._dynamo.reset()
     c, args = _reference_case(16 + depth)
     q, ip, fk, fv = args[:4]
@@ -372,76 +343,34 @@ def test_the_code_domain_correction_matches_read_then_correct(depth, order, monk
                                                    ip, k_d, v_d)
     two_op = torch.ops.flashloop.correction_attention(q_d, k_sel, v_sel, P.local_keys(keys, H), count, mass, o_ref,
                                                       c_ref, D**-0.5)
-    assert SD.correction_mma_fits(q_d, c.group_size, depth)
-    got = {}
-    from flashloop_compile.lowering import tables
-
-    # the op's CUDA body without "linear": the selected keys read and attended in one pass
-    # (packed_ops.correction_read_attend, PACKED_CORRECTION["read_attend"]'s op), eager and compiled
-    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", False)
-    got["read attend"] = torch.ops.flashloop.packed_correction_attention(*cargs)
+    got = {"read attend": torch.ops.flashloop.packed_correction_attention(*cargs)}
     torch._dynamo.reset()
     got["compiled read attend"] = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a),
-                                                backend="flashloop", fullgraph=True)(*cargs)
-    monkeypatch.setitem(tables.PACKED_CORRECTION, "linear", True)
-    for name, over in (("tl", dict(correction_mma=False)), ("mma", {}), ("mma one wave", dict(correction_waves=1))):
-        monkeypatch.setattr(SD, "DEFAULT_CONFIG", dataclasses.replace(SD.DEFAULT_CONFIG, **{"correction_mma": True, **over}))
-        got[name] = torch.ops.flashloop.packed_correction_attention(*cargs)
-        if name == "mma":
-            torch._dynamo.reset()
-            got["compiled mma"] = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a),
                                                 backend="flashloop", fullgraph=True)(*cargs)
     for name, x in got.items():
         for other in (ref, two_op):
             torch.testing.assert_close(x.float(), other.float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
-    assert not torch.equal(got["mma"], got["tl"])  # the tensor-core path ran (q' in fp16)
 
-@pytest.mark.parametrize("depth", [0, 1])
-def test_gluon_decode_matches_aten_and_the_fast_path(depth, monkeypatch):
-    # FAST_DECODE["gluon"] (session 14): one-row decode through the reference's tensor-core kernels
-    # without the selection (sparse_decode.linear_decode_triton), at 4 x 8K ragged (a 64-token row:
-    # the window holds its whole history), token-sparse residuals, one token in flight; eager and
-    # compiled against the ATen body and the default fast path, within bf16's tolerance
-    from flashloop_compile.lowering.kernels import packed_kv as K
-
-    torch._dynamo.reset()
-    c, ref_args = _reference_case(14)
-    q, ip, fk, fv = ref_args[:4]
-    args = (q, fk, fv, ip, ip, depth, *c.op_tensors(0), D**-0.5)
-    fast = torch.ops.flashloop.packed_attention(*args)
-    monkeypatch.setitem(K.FAST_DECODE, "gluon", True)
-    from flashloop_compile.lowering.kernels import sparse_decode as SD
-
-    assert SD.linear_decode_fits(q, c.op_tensors(0), depth)
-    got = torch.ops.flashloop.packed_attention(*args)
-    compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_attention(*a), backend="flashloop",
-                             fullgraph=True)(*args)
-    ref = P.packed_attention_aten(*args)
-    for other in (ref, fast, compiled):
-        torch.testing.assert_close(got.float(), other.float(), atol=1e-2, rtol=1e-2)
-    assert not torch.equal(got, fast)  # the tensor-core path ran
-
-
-@pytest.mark.parametrize("mode", ["read", "fused", "linear"], ids=["read_then_reference", "fused", "linear"])
-def test_packed_reference_matches_aten_and_the_two_paths_agree_bit_for_bit(mode, monkeypatch):
+@pytest.mark.parametrize("mode", ["read", "linear"], ids=["read_then_reference", "linear"])
+def test_packed_reference_matches_aten_and_the_read_then_reference_form(mode):
     # sparse decode's loop-2 reference under quantization at 4 x 8K (ragged, token-sparse
-    # residuals, one decode token in flight), eagerly and under torch.compile(fullgraph); the
-    # fused path equals the read-then-reference path bit for bit, the linear (code-domain) one
-    # within the bf16 tolerance with the same counts and a selection that is a top-k of the
-    # two-step path's probabilities
-    from flashloop_compile.lowering.kernels import packed_kv as K
-
+    # residuals, one decode token in flight), eagerly and under torch.compile(fullgraph). "linear":
+    # one query row per kv head (the code-domain body), within the bf16 tolerance of the
+    # read-then-reference form with the same counts and a selection that is a top-k of its
+    # probabilities; "read": two query heads per kv head, whose body is that form, bit for bit
     torch._dynamo.reset()
     _c, args = _reference_case(11)
+    if mode == "read":
+        args = (args[0].repeat_interleave(2, dim=1), *args[1:])
     ref = P.packed_reference_attention_aten(*args)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", False)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", False)
-    two_step = torch.ops.flashloop.packed_reference_attention(*args)
-    monkeypatch.setitem(K.PACKED_REFERENCE, "fused", mode == "fused")
-    monkeypatch.setitem(K.PACKED_REFERENCE, "linear", mode == "linear")
+    q, ip, fk, fv, depth, *rest = args
+    cache, (mask, scale, fractions, capacities) = rest[:-4], rest[-4:]
+    whole = torch.arange(cache[0].shape[2], device="cuda")[None].expand(q.shape[0], -1)
+    k, v = torch.ops.flashloop.packed_read(*cache, whole, depth, ip, fk, fv)
+    two_step = torch.ops.flashloop.reference_attention(q, k, v, mask, scale, fractions, capacities)
     got = torch.ops.flashloop.packed_reference_attention(*args)
     # backend="flashloop": see test_torch_compile_fullgraph (plain Inductor once gave this case the
-    # linear case's artifact from the disk cache: one bf16 step off, session 12)
+    # linear case's artifact from the disk cache: one bf16 step off)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
                              fullgraph=True)(*args)
     for name, x, y, z, r in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), got, two_step, compiled, ref):

@@ -1,5 +1,5 @@
 """Sparse decode's correction read and attended in one pass (packed_ops.correction_read_attend:
-packed_kv._read_attend_kernel, then sparse_decode's combine), run by the interpreter on CPU
+packed_read._read_attend_kernel, then correction's combine), run by the interpreter on CPU
 tensors, against the ATen body of ``flashloop::packed_correction_attention`` (packed_read of the
 selected keys, then correction_attention over that copy).
 
@@ -16,7 +16,7 @@ import torch
 
 from flashloop_compile.config import ceil_fraction
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import packed_read as PR
 from flashloop_compile.lowering.kernels.common import first_inflight
 from tests.lowering.packed_scenario import nested_residual_cache
 
@@ -80,20 +80,6 @@ def test_read_attend_matches_read_then_correct(dtype, depth):
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"block_p {block_p}: {m}")
 
 
-def test_read_attend_tile_order_changes_no_partial(monkeypatch):
-    # the grid runs the tiles last to first (PACKED_READ attend_reverse) so that the per-token tile
-    # starts early; each program still writes its own tile's partial in the combine's slot
-    tensors, args, inflight = _case(torch.float32, 2)
-    q, keys, count = args[:3]
-    parts = {}
-    for reverse in (True, False):
-        monkeypatch.setitem(K.PACKED_READ, "attend_reverse", reverse)
-        parts[reverse] = K.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight, block_p=TILE)
-    assert parts[True][3] == parts[False][3] == -(-keys.shape[-1] // TILE)
-    for got, want in zip(parts[True][:3], parts[False][:3]):
-        assert torch.equal(got, want)
-
-
 def test_read_attend_takes_the_keys_in_any_order_and_a_padded_row():
     # the selection's order is not a contract: the valid prefix of each row shuffled; row 1 is
     # padding this step (query position -1: its reference selects nothing, the output is O_ref - C_ref)
@@ -112,18 +98,18 @@ def test_read_attend_takes_the_keys_in_any_order_and_a_padded_row():
 def test_read_attend_refuses_several_query_heads_per_kv_head():
     tensors, (q, keys, count, *_rest), inflight = _case(torch.float32, 2)
     q2 = q.repeat_interleave(2, dim=1)
-    assert not K.read_attend_fits(q2, tensors)
+    assert not PR.read_attend_fits(q2, tensors)
     with pytest.raises(ValueError, match="one query row per kv head"):
-        K.launch_packed_read_attend(tensors, q2, keys.repeat_interleave(2, dim=1), count.repeat_interleave(2, dim=1), 2,
+        PR.launch_packed_read_attend(tensors, q2, keys.repeat_interleave(2, dim=1), count.repeat_interleave(2, dim=1), 2,
                                     0.125, inflight=inflight)
 
 
 def test_read_attend_refuses_a_tile_that_is_not_a_power_of_two(monkeypatch):
     tensors, (q, keys, count, *_rest), inflight = _case(torch.float32, 3)
-    monkeypatch.setitem(K.PACKED_READ, "attend_block_p", [32, 32, 32, 24])
+    monkeypatch.setitem(PR.PACKED_READ, "attend_block_p", (32, 32, 32, 24))
     with pytest.raises(ValueError, match="power of two, got 24 keys"):
-        K.launch_packed_read_attend(tensors, q, keys, count, 3, 0.125, inflight=inflight)
-    K.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight)  # depth 2: 32
+        PR.launch_packed_read_attend(tensors, q, keys, count, 3, 0.125, inflight=inflight)
+    PR.launch_packed_read_attend(tensors, q, keys, count, 2, 0.125, inflight=inflight)  # depth 2: 32
 
 
 def test_an_in_flight_token_inside_the_flushed_bulk_is_read_from_flight():

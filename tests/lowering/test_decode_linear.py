@@ -1,12 +1,9 @@
-"""The linear-domain bulk decode kernel (FAST_DECODE["linear"]: scores and the PV product taken
-in the code domain, no reconstructed K/V) against the ATen body, run by the interpreter.
+"""The bulk decode kernel (_decode_bulk_kernel: scores and the PV product taken in the code domain,
+no reconstructed K/V) against the ATen body, run by the interpreter.
 
-Without the compute-dtype rounding of the reconstruction, the linear form equals the reference
-up to FP32 rounding on fp32 caches (tolerance 1e-5) and up to the reference's bf16 rounding of
-K/V on bf16 caches (the bf16 tolerance, 1e-2). On 16-bit caches the scores take K rebuilt in
-fp16 (FAST_DECODE["half"], the default since session 11), still within the bf16 tolerance. The
-tensor-core variant (FAST_DECODE["mma"]) rounds q * scale and p * scale to fp16 per tile: 1e-3 on
-fp32 caches, 1e-2 on bf16."""
+Without the compute-dtype rounding of the reconstruction, the code-domain form equals the
+reference up to FP32 rounding on fp32 caches (tolerance 1e-5). On 16-bit caches the scores take K
+rebuilt in fp16, within the bf16 tolerance (1e-2)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import pytest
 import torch
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import packed_attention as PA
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import nested_residual_cache
 
@@ -41,32 +38,21 @@ def test_linear_decode_matches_aten(dtype, group, block_n):
     cache = _cache(dtype, group)
     flushed = cache.op_tensors(0)[P.CACHE_NAMES.index("flushed")]
     assert flushed.min().item() >= 64  # every row has a flushed bulk at every depth
-    # the FP32 scores on every cache ("half", the default on 16-bit caches, has its own test)
-    _check_decode(cache, dtype, {"linear": True, "block_n": block_n, "half": False}, 1e-5 if dtype == torch.float32 else 1e-2)
+    _check_decode(cache, dtype, {"block_n": block_n}, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("group, block_n", [(64, 32), (32, 16)], ids=["g64_bn32", "g32_bn16"])
 def test_half_linear_decode_matches_aten_on_bf16_caches(group, block_n):
-    # FAST_DECODE["half"]: K rebuilt in fp16 from the codes (codes as 1024 + code, packed fp16
+    # 16-bit caches: K rebuilt in fp16 from the codes (codes as 1024 + code, packed fp16
     # FMAs with the stored fp16 parameters), scores in FP32: fp16 keeps 3 more bits than the
     # reference's bf16 K, so the bf16 tolerance; depths 0..3, ragged rows, residuals present and
     # absent in a tile. Dropping a residual (its FMA or its minimum's bias) fails it.
-    _check_decode(_cache(torch.bfloat16, group), torch.bfloat16, {"linear": True, "half": True, "block_n": block_n}, 1e-2)
+    _check_decode(_cache(torch.bfloat16, group), torch.bfloat16, {"block_n": block_n}, 1e-2)
 
 
 def test_half_linear_decode_keeps_fp32_caches_in_fp32():
-    # fp16 would cost an fp32 model 13 bits of K: there "half" takes the FP32 path (1e-5)
-    _check_decode(_cache(torch.float32, 64), torch.float32, {"linear": True, "half": True, "block_n": 32}, 1e-5)
-
-
-@pytest.mark.parametrize("dtype, block_n", [(torch.float32, 16), (torch.bfloat16, 32)], ids=["fp32_bn16", "bf16_bn32"])
-def test_mma_decode_matches_aten(dtype, block_n):
-    # FAST_DECODE["mma"]: codes as fp16 subnormals into tensor-core products, q * scale and
-    # p * scale rounded to fp16 (11 bits) per tile: FP32 models within 1e-3, BF16 within bf16
-    # tolerance; two V groups per row (head_dim 128, group 64), residuals at depths 1..3 on
-    # nested subsets, ragged rows. Dropping a residual's K minimum or the V minima fails it.
-    cache = _cache(dtype, 64)
-    _check_decode(cache, dtype, {"mma": True, "block_n": block_n}, 1e-3 if dtype == torch.float32 else 1e-2)
+    # fp16 would cost an fp32 model 13 bits of K: fp32 caches keep the FP32 path (1e-5)
+    _check_decode(_cache(torch.float32, 64), torch.float32, {"block_n": 32}, 1e-5)
 
 
 def _check_decode(cache, dtype, tuning, tol):
@@ -79,17 +65,8 @@ def _check_decode(cache, dtype, tuning, tol):
     for depth in range(R):
         ref = P.packed_attention_aten(q, ki, vi, ipos, ipos, depth, *cache.op_tensors(0), 0.1)
         out = torch.empty_like(q)
-        K.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2, tuning=tuning)
+        PA.launch_packed_attention(cache.op_tensors(0), q, ki, vi, ipos, ipos, depth, 0.1, out, num_splits=2, tuning=tuning)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"depth {depth}: {m}")
-
-
-def test_mma_decode_rejects_a_head_of_more_than_two_groups():
-    cache = _cache(torch.float32, 32)  # head_dim 128 = four V groups
-    q = torch.zeros(B, H, 1, D)
-    ipos = torch.tensor(LENGTHS)[:, None]
-    with pytest.raises(ValueError, match="mma needs a head_dim of one or two groups"):
-        K.launch_packed_attention(cache.op_tensors(0), q, q, q, ipos, ipos, 0, 0.1, torch.empty_like(q),
-                                  tuning={"mma": True})
 
 
 def test_the_tail_over_several_programs_matches_aten():
@@ -105,4 +82,4 @@ def test_the_tail_over_several_programs_matches_aten():
     flushed = tensors[P.CACHE_NAMES.index("flushed")]
     tail_tiles = [-(-n // 32) - int(flushed[b].min()) // 16 * 16 // 32 for b, n in enumerate(LENGTHS)]
     assert tail_tiles == [1, 2], tail_tiles
-    _check_decode(cache, torch.float32, {"linear": True, "block_n": 16, "half": False, "tail_programs": 2}, 1e-5)
+    _check_decode(cache, torch.float32, {"block_n": 16, "tail_programs": 2}, 1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import packed_attention as PA, packed_read as PR, packed_write as PW
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import batched_depth_call, batched_inflight, scenario
 
@@ -15,20 +15,20 @@ H, D, R, S = 2, 64, 4, 256
 
 
 def write_kernel(cache, layer, k, v, pos, depth, chunks=None):
-    K.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth, chunks=chunks)
+    PW.launch_packed_kv_write(cache.op_tensors(layer), k, v, pos, depth, chunks=chunks)
 
 
 def read_kernel(cache, layer, pos, depth, **kw):
     shape = (pos.shape[0], cache.kv_heads, pos.shape[-1], cache.head_dim)
     out_k = torch.empty(shape, dtype=cache.dtype)
     out_v = torch.empty(shape, dtype=cache.dtype)
-    K.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v, **kw)
+    PR.launch_packed_read(cache.op_tensors(layer), pos, depth, out_k, out_v, **kw)
     return out_k, out_v
 
 
 def attention_kernel(cache, layer, q, ki, vi, qpos, ipos, depth, scale, **kw):
     out = torch.empty_like(q)
-    K.launch_packed_attention(cache.op_tensors(layer), q, ki, vi, qpos, ipos, depth, scale, out, **kw)
+    PA.launch_packed_attention(cache.op_tensors(layer), q, ki, vi, qpos, ipos, depth, scale, out, **kw)
     return out
 
 
@@ -52,26 +52,24 @@ def _positions(lengths):
 # depth as a constexpr) and in both dtypes (the compute-dtype code: _round_to, HALF, the ring's
 # dtype), against the ATen body with the same tolerance; writes and cache checks are unchanged.
 #
-# Prefill (f == 0 at depth 0, f == 1 at depth 3): the default tiles and the halves layout
-# (whole_rows False) at both. The tile-size variants (block_m 32 / 16, block_n_inflight 16) at
+# Prefill (f == 0 at depth 0, f == 1 at depth 3): the default tiles at both. The tile-size variants (block_m 32 / 16, block_n_inflight 16) at
 # f == 1 only: stored keys (row 0: a flushed group and the ring, residuals to depth 3),
 # left-padded queries, in-flight keys in 7 tiles of 16 (padded tiles skipped) and, at block_m
 # 16, two query tiles. f == 0 (a fresh prompt: no stored key) runs the same code on more tiles.
 # num_warps is ignored by the interpreter.
-PREFILL_BOTH = [dict(mode="prefill"), dict(mode="prefill", tuning={"whole_rows": False})]
+PREFILL_BOTH = [dict(mode="prefill")]
 PREFILL_TILES = [dict(mode="prefill", tuning={"block_m": 32, "block_n_inflight": 16, "num_warps": 4}),
-                 dict(mode="prefill", tuning={"whole_rows": True, "block_m": 16, "block_n_inflight": 16})]
+                 dict(mode="prefill", tuning={"block_m": 16, "block_n_inflight": 16})]
 # One query row per kv head (f == 2: both rows active, 2 bulk tiles each (one split empty), the
 # ring wrapped in both; f == 3: row 0 just flushed a second group, 4 bulk tiles over uneven
 # splits, _flushed_min over depths whose boundaries differ mid-forward; row 1 padding). The fast
 # path's default launch and the generic path (fast False) at both. The other variants at f == 3
 # only: block_n 16 with the default splits, num_splits 2 with num_stages 1 (num_stages is ignored
-# by the interpreter) and the reconstructing kernel. What f == 2 adds for them is code checked
+# by the interpreter). What f == 2 adds for them is code checked
 # elsewhere here: the fast kernel's second row (row offsets) and the FAST tail program over a
 # wrapped ring by the default launch at f == 2, _bulk_k / _bulk_v of a second row by the reads.
 DECODE_BOTH = [dict(num_splits=3), dict(num_splits=3, fast=False)]
-DECODE_F3 = [dict(tuning={"block_n": 16}), dict(num_splits=2, tuning={"num_stages": 1}),
-             dict(num_splits=3, tuning={"linear": False})]
+DECODE_F3 = [dict(tuning={"block_n": 16}), dict(num_splits=2, tuning={"num_stages": 1})]
 # Reads (f == 1, after the prompt, and f == 4, at the end; every depth): the default read of the
 # whole history and the per-head read at both. The bulk read with 16-position tiles at f == 4
 # only, over the shifted run: there row 0's bulk is two blocks and row 1's one (f == 1: one block
@@ -239,8 +237,7 @@ def test_overflow_matches_aten():
     assert ck.overflow.item() == 1
 
 
-@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "num_stages": 1}, {"linear": False}, {"block_n": 16, "linear": False}],
-                         ids=["defaults", "bn16_stages1", "reconstructing", "reconstructing_bn16"])
+@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "num_stages": 1}], ids=["defaults", "bn16_stages1"])
 def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
     # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
     # 1-2 on a nested subset (absent rows inherit), one decode token at each depth
@@ -250,7 +247,6 @@ def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
 def test_decode_bulk_kernel_with_four_v_groups_per_row():
     # group 32 at head_dim 128: the bulk kernel's general (reshape) broadcast of V parameters
     _fast_decode_case({"block_n": 16}, group=32)
-    _fast_decode_case({"block_n": 16, "linear": False}, group=32)
 
 
 def _fast_decode_case(tuning, group):
@@ -284,49 +280,24 @@ class _Skipped:
         return lambda *args, **kwargs: None
 
 
-def test_scattered_keys_below_the_flushed_boundary_are_read_by_the_bulk_kernel(monkeypatch):
-    # A correction's selected keys: scattered, unsorted, per head, all flushed at every depth, over
-    # token-sparse residuals (depths 2-3 on nested subsets). The bulk kernel alone (the generic
-    # kernel disabled, outputs poisoned) must write them exactly as the ATen body reads them; a
-    # tile holding padding or a tail position is the generic kernel's, so with it disabled those
-    # rows stay poisoned.
-    _assert_one_kernel_writes(monkeypatch, "_read_bulk_kernel", [384] + [3] * 15,
-                              "the tail tile is not the bulk kernel's")
-
-
-def test_the_generic_read_takes_every_row_of_a_tile_the_bulk_kernel_leaves(monkeypatch):
-    # The generic kernel runs on tiles of block_p / generic_split positions; it must return only
-    # where the bulk kernel's whole (block_p) tile qualified. Head 1's second tile: its first half
-    # is below the flushed boundary (a sub-tile the bulk test alone would admit), its second half
-    # holds a tail position. With the bulk kernel disabled (outputs poisoned), exactly that tile
-    # is written, as the ATen body reads it; the qualifying tiles stay poisoned.
-    monkeypatch.setitem(K.PACKED_READ, "generic_split", 2)
-    _assert_one_kernel_writes(monkeypatch, "_read_kernel", list(range(8)) + [384] + [5] * 7,
-                              "a bulk tile was written twice")
-
-
-def _assert_one_kernel_writes(monkeypatch, kernel: str, head1_tile2: list[int], what: str) -> None:
-    """Reads of 32 scattered flushed positions per head (head 1's second 16-position tile replaced
-    by head1_tile2) with only ``kernel`` launched, into poisoned outputs: the bulk kernel must write
-    every tile but that one, the generic kernel only that one, each as the ATen body reads it.
-    The two-launch read (PACKED_READ fused off): the split between the kernels is what is tested."""
-    monkeypatch.setitem(K.PACKED_READ, "fused", False)
+@pytest.mark.parametrize("split", [4, 2])
+@pytest.mark.parametrize("head1_tile2", [[384] + [3] * 15, list(range(8)) + [384] + [5] * 7],
+                         ids=["tail_first", "tail_in_second_half"])
+def test_scattered_keys_are_read_by_the_bulk_kernel_alone(monkeypatch, split, head1_tile2):
+    # A correction's selected keys: scattered, unsorted, per head, flushed at every depth, over
+    # token-sparse residuals (depths 2-3 on nested subsets); head 1's second 16-position tile holds
+    # a tail position (the bulk test refuses it), read on ``split`` sub-tiles. The bulk kernel
+    # alone (the generic kernel disabled, outputs poisoned) writes every row as the ATen body reads it.
+    monkeypatch.setattr(PR, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()
     sel = torch.stack([torch.randperm(384, generator=g)[:32] for _ in range(H)])[None]  # [1, H, 32]
     sel[0, 1, 16:] = torch.tensor(head1_tile2)
-    other = "_read_kernel" if kernel == "_read_bulk_kernel" else "_read_bulk_kernel"
-    monkeypatch.setattr(K, other, _Skipped())
-    mine = torch.zeros(1, H, 32, dtype=torch.bool)
-    mine[0, 1, 16:] = True
-    if kernel == "_read_bulk_kernel":
-        mine = ~mine
     for d in range(R):
         ka, va = P.packed_read_aten(*cache.op_tensors(0), sel, d, *P.no_inflight(cache, 1, sel.device))
         kk = torch.full((1, H, 32, D), float("nan"))
         vk = torch.full_like(kk, float("nan"))
-        K.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, bulk=True, block_p=16)
-        assert torch.equal(ka[mine], kk[mine]) and torch.equal(va[mine], vk[mine]), f"depth {d}"
-        assert kk[~mine].isnan().all() and vk[~mine].isnan().all(), f"depth {d}: {what}"
+        PR.launch_packed_read(cache.op_tensors(0), sel, d, kk, vk, block_p=16, split=split)
+        assert torch.equal(ka, kk) and torch.equal(va, vk), f"depth {d}"
 
 
 def _token_sparse_cache():
@@ -346,18 +317,17 @@ def _token_sparse_cache():
     return cache, g
 
 
-@pytest.mark.parametrize("mode", ["generic", "bulk", "fused"])
+@pytest.mark.parametrize("mode", ["generic", "bulk"])
 def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
     # sparse decode's reads: the whole history and per-head selected keys (with a padding entry),
     # with this step's tokens in flight (decode: one past the end; and, as a stress of the bulk
     # tiles, one below the flushed boundary, whose tile must not skip the overlay, with a padded
-    # second token). "bulk": the two launches; "fused" (PACKED_READ, the default): the bulk kernel
-    # reads every tile itself, the generic kernel is never launched (here: launching it does
-    # nothing, so a tile left to it stays NaN)
-    bulk = mode != "generic"
-    monkeypatch.setitem(K.PACKED_READ, "fused", mode == "fused")
-    if mode == "fused":
-        monkeypatch.setattr(K, "_read_kernel", _Skipped())
+    # second token). "bulk" (the default at this shape): the bulk kernel reads every tile itself,
+    # the generic kernel is never launched (here: launching it does nothing, so a tile left to it
+    # stays NaN); "generic": the generic kernel alone
+    bulk = mode == "bulk"
+    if bulk:
+        monkeypatch.setattr(PR, "_read_kernel", _Skipped())
     cache, g = _token_sparse_cache()
     for inflight_pos in ([[450]], [[100, -1]]):
         ip = torch.tensor(inflight_pos)
@@ -372,7 +342,7 @@ def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
                 ka, va = P.packed_read_aten(*cache.op_tensors(0), positions, d, ip, ki, vi)
                 out_k = torch.full((1, H, positions.shape[-1], D), float("nan"))
                 out_v = torch.full_like(out_k, float("nan"))
-                K.launch_packed_read(cache.op_tensors(0), positions, d, out_k, out_v, inflight=(ip, ki, vi),
+                PR.launch_packed_read(cache.op_tensors(0), positions, d, out_k, out_v, inflight=(ip, ki, vi),
                                      bulk=bulk, block_p=64 if positions is whole else 16)
                 assert torch.equal(ka, out_k) and torch.equal(va, out_v), (inflight_pos, positions.dim(), d)
             # the overlay is there (not only equal to the ATen body): the first token's rows, exactly
@@ -380,35 +350,3 @@ def test_read_returns_the_steps_own_tokens_from_flight(monkeypatch, mode):
                 assert torch.equal(out_k[0, :, ip[0, 0]], ki[0, :, 0]) and torch.equal(out_v[0, :, ip[0, 0]], vi[0, :, 0])
             else:
                 assert torch.equal(out_k[0, 0, :2], ki[0, 0, :1].expand(2, -1))
-
-
-@pytest.mark.parametrize("depth", [1, 3])
-def test_packed_reference_decodes_the_bulk_itself_bit_for_bit(depth):
-    # sparse decode's loop-2 reference under quantization: instead of reading the whole history
-    # into BF16/FP32 K/V first, the scores and PV kernels decode the flushed bulk from the packed
-    # tiles and read only the rest (tail, in-flight token) from a buffer packed_read fills with
-    # skip_bulk. Every output equals the two-step path's exactly; the buffer's bulk rows stay NaN
-    # (poisoned), so a kernel that read them instead of decoding would fail the comparison.
-    from flashloop_compile.config import ceil_fraction
-    from flashloop_compile.lowering.kernels import sparse_decode as sd
-
-    cache, g = _token_sparse_cache()
-    tensors = cache.op_tensors(0)
-    S_ = cache.op_tensors(0)[0].shape[2]
-    ip = torch.tensor([[450]])
-    ki, vi = torch.randn(1, H, 1, D, generator=g), torch.randn(1, H, 1, D, generator=g)
-    q = torch.randn(1, 2 * H, 1, D, generator=g)  # two query heads per kv head
-    whole = torch.arange(S_)[None]
-    mask = (whole <= ip)[:, None, :, None].transpose(2, 3)  # [1, 1, 1, S]
-    fractions = [0.1, 0.25]
-    capacities = [ceil_fraction(f, S_) for f in fractions]
-    kf, vf = torch.empty(1, H, S_, D), torch.empty(1, H, S_, D)
-    K.launch_packed_read(tensors, whole, depth, kf, vf, inflight=(ip, ki, vi), bulk=True)
-    two_step = sd.reference_attention_triton(q, kf, vf, mask, 0.125, fractions, capacities)
-    kb, vb = torch.full((1, H, S_, D), float("nan")), torch.full((1, H, S_, D), float("nan"))
-    K.launch_packed_read(tensors, whole, depth, kb, vb, inflight=(ip, ki, vi), skip_bulk=True)
-    assert kb[:, :, :384].isnan().all() and not kb[:, :, 384:451].isnan().any()  # the bulk is left to the reference
-    lim = ip.amin(1)
-    fused = sd.reference_attention_triton(q, kb, vb, mask, 0.125, fractions, capacities, packed=(tensors, depth, lim))
-    for name, a, b in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), fused, two_step):
-        assert torch.equal(a, b), f"depth {depth}: {name}"

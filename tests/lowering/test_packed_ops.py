@@ -314,7 +314,7 @@ def test_fake_contract_errors():
 
 
 def test_the_correction_op_contract_errors():
-    # flashloop.packed_correction_attention (session 15): what its fake checks, on meta tensors
+    # flashloop.packed_correction_attention: what its fake checks, on meta tensors
     cache = PackedKVCache(1, 4, 1, 128, H, D, dtype=torch.bfloat16)
     meta = [t.to("meta") for t in cache.op_tensors(0)]
     k = torch.empty(1, H, 1, D, dtype=torch.bfloat16, device="meta")

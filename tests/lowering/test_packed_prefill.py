@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
+from flashloop_compile.lowering.kernels import packed_attention as PA
 from flashloop_compile.runtime import PackedKVCache
 
 
@@ -41,7 +41,7 @@ def _positions(draw):
 def test_inflight_bounds_admit_every_visible_key_and_mask_nothing_needed(case):
     qp, kp, qpk, block_m, block_n = case
     B, T = qp.shape
-    bounds = K.inflight_bounds(qp, kp, qpk, block_m, block_n)
+    bounds = PA.inflight_bounds(qp, kp, qpk, block_m, block_n)
     tiles = -(-(T * qpk) // block_m)
     assert bounds.shape == (B, tiles, 2) and bounds.dtype == torch.int32
     for b in range(B):
@@ -86,7 +86,7 @@ def test_prefill_attention_matches_aten(dtype, queries):
     cache = PackedKVCache(1, 4, 3, 256, H, D, dtype=dtype)
     ref = P.packed_attention_aten(q, k, v, qpos, ipos, 0, *cache.op_tensors(0), 0.125)
     out = torch.empty_like(q)
-    K.launch_packed_attention(cache.op_tensors(0), q, k, v, qpos, ipos, 0, 0.125, out, mode="prefill",
+    PA.launch_packed_attention(cache.op_tensors(0), q, k, v, qpos, ipos, 0, 0.125, out, mode="prefill",
                               tuning={"block_m": 16, "block_n_inflight": 16})
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -97,6 +97,6 @@ def test_prefill_refuses_a_tile_that_is_not_a_tensor_core_tile(key, val):
     cache = PackedKVCache(1, 4, 1, 256, 2, 64)
     q = torch.zeros(1, 2, 80, 64)
     pos = torch.arange(80)[None]
-    with pytest.raises(ValueError, match=f"PACKED_PREFILL {key} must be a power of two >= 16"):
-        K.launch_packed_attention(cache.op_tensors(0), q, q, q, pos, pos, 0, 0.125, torch.empty_like(q),
+    with pytest.raises(ValueError, match=f"prefill {key} must be a power of two >= 16"):
+        PA.launch_packed_attention(cache.op_tensors(0), q, q, q, pos, pos, 0, 0.125, torch.empty_like(q),
                                   mode="prefill", tuning={key: val})

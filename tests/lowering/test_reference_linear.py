@@ -1,4 +1,4 @@
-"""The code-domain loop-2 reference (sparse decode under quantization, PACKED_REFERENCE["linear"]):
+"""The code-domain loop-2 reference (sparse decode under quantization, one query row per kv head):
 scores and the O_ref / C_ref product taken on the packed codes below the flushed boundary, the
 ring and the in-flight token from a small packed_read window -- against the ATen body of
 ``flashloop::packed_reference_attention``, run by the interpreter.
@@ -10,15 +10,12 @@ outranks every key left (up to the tolerance), and the count is exact."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from flashloop_compile.config import ceil_fraction
 from flashloop_compile.lowering import packed_ops as P
-from flashloop_compile.lowering.kernels import packed_kv as K
-from flashloop_compile.lowering.kernels import sparse_decode as sd
+from flashloop_compile.lowering.kernels import packed_read as PR, reference_attention as RA
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import nested_residual_cache
 
@@ -44,11 +41,11 @@ def _step(g, dtype, padded_row: bool = False):
 
 def _linear(cache, q, ki, vi, ip, mask, depth, fractions, capacities):
     tensors = cache.op_tensors(0)
-    lo, window = sd.linear_window(tensors, depth, ip)
+    lo, window = RA.linear_window(tensors, depth, ip)
     kw = torch.full((B, H, window.shape[1], D), float("nan"), dtype=q.dtype)
     vw = torch.full_like(kw, float("nan"))
-    K.launch_packed_read(tensors, window, depth, kw, vw, inflight=(ip, ki, vi))
-    return lo, window, sd.reference_attention_triton(q, kw, vw, mask, 0.125, fractions, capacities,
+    PR.launch_packed_read(tensors, window, depth, kw, vw, inflight=(ip, ki, vi))
+    return lo, window, RA.reference_attention_triton(q, kw, vw, mask, 0.125, fractions, capacities,
                                                      linear=(tensors, depth, lo))
 
 
@@ -122,56 +119,7 @@ def test_linear_reference_rejects_what_it_does_not_cover(heads, fractions):
     ip = torch.tensor(LENGTHS)[:, None]
     kw = torch.zeros(B, H, 192, D)
     mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
-    assert not sd.linear_fits(q, H, D, 64, fractions)
+    assert not RA.linear_fits(q, H, D, 64, fractions)
     with pytest.raises(ValueError, match="one query row per kv head, one key fraction"):
-        sd.reference_attention_triton(q, kw, kw, mask, 0.1, fractions, [26] * len(fractions),
+        RA.reference_attention_triton(q, kw, kw, mask, 0.1, fractions, [26] * len(fractions),
                                       linear=(cache.op_tensors(0), 1, ip[:, 0]))
-
-
-@pytest.mark.parametrize("dtype, group, depth", [(torch.float32, 64, 2), (torch.float32, 32, 3), (torch.bfloat16, 64, 3)],
-                         ids=["fp32_g64_d2", "fp32_g32_d3", "bf16_g64_d3"])
-def test_linear_correction_matches_read_then_correct(dtype, group, depth):
-    # the opt-in code-domain correction (sparse_decode.correction_linear_triton, not wired into the
-    # passes yet): loop 2's selection (the ATen reference at depth 1) corrected at a later depth,
-    # the selected keys below lo decoded from their codes, the in-flight token (always selected
-    # here: q is sharp) and the ring from the window -- vs correction_attention over the whole
-    # history as packed_read returns it
-    from flashloop_compile.lowering.ops import _correction_attention_aten
-
-    cache, g = _cache(dtype, group)
-    q, ki, vi, ip, mask = _step(g, dtype)
-    tensors = cache.op_tensors(0)
-    caps = [ceil_fraction(0.25, S)]
-    _, keys, count, mass, o_ref, c_ref = P.packed_reference_attention_aten(q, ip, ki, vi, 1, *tensors, mask, 0.125, [0.25], caps)
-    kd, vd = (ki * 1.5).to(dtype), (vi - 0.3).to(dtype)  # this depth's in-flight token
-    lo, window = sd.linear_window(tensors, depth, ip)
-    kw = torch.full((B, H, window.shape[1], D), float("nan"), dtype=dtype)
-    vw = torch.full_like(kw, float("nan"))
-    K.launch_packed_read(tensors, window, depth, kw, vw, inflight=(ip, kd, vd))
-    kf, vf = P.packed_read_aten(*tensors, torch.arange(S)[None].expand(B, S), depth, ip, kd, vd)
-    ref = _correction_attention_aten(q, kf, vf, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.125)
-    assert (keys[0] >= lo[:, None, None, None]).any()  # some selected keys come from the window
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for splits in (1, 3):  # one program per row (writes the output), or partials + the combine kernel
-        cfg = dataclasses.replace(sd.INTERPRETER_CONFIG, split_corr=splits)
-        got = sd.correction_linear_triton(q, kw, vw, keys[0], count[0], mass[0], o_ref, c_ref[0], 0.125,
-                                          (tensors, depth, lo), config=cfg)
-        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"{splits} splits: {m}")
-
-
-@pytest.mark.parametrize("depth", [2, 3])
-def test_the_correction_op_body_on_codes_matches_its_aten_body(depth):
-    # packed_correction_attention's CUDA body for one query row per kv head (packed_ops.correction_on_codes:
-    # the window read, then correction_linear_triton), run by the interpreter on CPU tensors, against
-    # the op's ATen body (read the selected keys, then correct): bf16 cache, keys from the window included
-    cache, g = _cache(torch.bfloat16, 64)
-    q, ki, vi, ip, mask = _step(g, torch.bfloat16)
-    tensors = cache.op_tensors(0)
-    _, keys, count, mass, o_ref, c_ref = P.packed_reference_attention_aten(q, ip, ki, vi, 1, *tensors, mask, 0.125, [0.25],
-                                                                           [ceil_fraction(0.25, S)])
-    kd, vd = (ki * 1.5).to(q.dtype), (vi - 0.3).to(q.dtype)
-    args = (q, keys[0], count[0], mass[0], o_ref, c_ref[0])
-    got = P.correction_on_codes(*args, (ip, kd, vd), depth, tensors, 0.125)
-    want = P.packed_correction_attention_aten(*args, ip, kd, vd, depth, *tensors, 0.125)
-    assert (keys[0] >= sd.linear_window(tensors, depth, ip)[0][:, None, None, None]).any()  # window keys too
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)

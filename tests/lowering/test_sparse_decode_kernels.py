@@ -1,4 +1,4 @@
-"""Triton kernels of the sparse decode ops (kernels/sparse_decode.py) against the ATen bodies,
+"""Triton kernels of the sparse decode ops (kernels/reference_attention.py, selection.py, correction.py) against the ATen bodies,
 run on CPU tensors through the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 before triton is imported)."""
 
@@ -14,15 +14,15 @@ triton = pytest.importorskip("triton")
 import triton.runtime.interpreter as triton_interpreter  # noqa: E402
 
 from flashloop_compile.lowering import ops  # noqa: E402
-from flashloop_compile.lowering.kernels import sparse_decode as sd  # noqa: E402
+from flashloop_compile.lowering.kernels import correction as CO, reference_attention as RA, selection as SEL, sparse_config as SC  # noqa: E402
 
 
-if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(sd._scores_kernel, triton_interpreter.InterpretedFunction):
+if os.environ.get("TRITON_INTERPRET") != "1" or not isinstance(RA._scores_kernel, triton_interpreter.InterpretedFunction):
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)", allow_module_level=True)
 
 
 # several programs per row / per split everywhere, with tiles small enough for tiny shapes
-SPLIT_CONFIG = sd.KernelConfig(
+SPLIT_CONFIG = SC.KernelConfig(
     block_n=16, block_n_pv=16, block_sel=16, block_compact=16, block_k=16, min_sel_chunk=16, split_kv=3, split_sel=3, split_corr=3
 )
 
@@ -62,7 +62,7 @@ def _assert_same_keys(keys, ref_keys, count):
 
 
 def _check_reference(q, k, v, mask, scale, fractions, capacities, config=None):
-    got = sd.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, config=config)
+    got = RA.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, config=config)
     ref = ops._reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
     out, keys, count, mass, o_ref, c_ref = got
     for name, a, r in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), got, ref):
@@ -80,7 +80,7 @@ def _check_reference(q, k, v, mask, scale, fractions, capacities, config=None):
 
 def _check_correction(q, k, v, state, ref_state, scale, config=None):
     keys, count, mass, o_ref, c_ref = state
-    got = sd.correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, config=config)
+    got = CO.correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale, config=config)
     same_state = ops._correction_attention_aten(q, k, v, keys, count, mass, o_ref, c_ref, scale)
     aten_state = ops._correction_attention_aten(q, k, v, *ref_state, scale)
     assert got.shape == q.shape and got.dtype == q.dtype
@@ -103,7 +103,7 @@ def _run(q, k, v, mask, later, fractions, scale=0.25, config=None):
 
 def test_interpreter_is_really_used():
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    assert isinstance(sd._scores_kernel, triton_interpreter.InterpretedFunction)
+    assert isinstance(RA._scores_kernel, triton_interpreter.InterpretedFunction)
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,7 @@ def test_spec_scalar_example():
     k[..., 0] = torch.log(probs)
     v = torch.tensor([10.0, 20.0, 30.0]).view(1, 1, 3, 1).expand(1, 1, 3, 16).contiguous()
     mask = torch.ones(1, 1, 1, 3, dtype=torch.bool)
-    out, keys, count, mass, o_ref, c_ref = sd.reference_attention_triton(q, k, v, mask, 1.0, [2 / 3], [2])
+    out, keys, count, mass, o_ref, c_ref = RA.reference_attention_triton(q, k, v, mask, 1.0, [2 / 3], [2])
     assert count.item() == 2 and sorted(keys.flatten().tolist()) == [1, 2]
     torch.testing.assert_close(mass.flatten(), torch.tensor([0.9]))
     torch.testing.assert_close(o_ref[..., 0].flatten(), torch.tensor([25.0]))
@@ -176,7 +176,7 @@ def test_spec_scalar_example():
     k2 = torch.zeros(1, 1, 3, 16)
     k2[..., 0] = torch.tensor([0.0, np.log(0.75), np.log(0.25)])
     v2 = torch.tensor([99.0, 20.0, 40.0]).view(1, 1, 3, 1).expand(1, 1, 3, 16).contiguous()
-    o = sd.correction_attention_triton(q, k2, v2, keys[0], count[0], mass[0], o_ref, c_ref[0], 1.0)
+    o = CO.correction_attention_triton(q, k2, v2, keys[0], count[0], mass[0], o_ref, c_ref[0], 1.0)
     torch.testing.assert_close(o[..., 0].flatten(), torch.tensor([23.5]))
 
 
@@ -188,34 +188,33 @@ def test_launchers_trace_without_host_syncs(monkeypatch):
 
     # wrap_triton passes interpreted kernels through untouched: trace JIT flavours of them
     # (nothing is compiled or run here), the packed-KV helpers the packed reference calls included
-    from flashloop_compile.lowering.kernels import packed_kv
+    from flashloop_compile.lowering.kernels import packed_code_domain, packed_codec
 
-    for module in (sd, packed_kv):
+    for module in (RA, SEL, CO, packed_codec, packed_code_domain):
         for name in dir(module):
             kernel = getattr(module, name)
             if isinstance(kernel, triton_interpreter.InterpretedFunction):
                 monkeypatch.setattr(module, name, JITFunction(kernel.fn))
-    monkeypatch.setattr(sd, "_check_runnable", lambda device: None)
+    monkeypatch.setattr(SC, "check_runnable", lambda kernel, device: None)
     q, k, v, mask, _ = _inputs(t=2)
     fractions, capacities = [0.1, 0.5], _capacities([0.1, 0.5], k.shape[2])
 
     def both(q, k, v, mask):
-        _, keys, count, mass, o_ref, c_ref = sd.reference_attention_triton(q, k, v, mask, 0.25, fractions, capacities, wrap=True)
-        return sd.correction_attention_triton(q, k, v, keys[1], count[1], mass[1], o_ref, c_ref[1], 0.25, wrap=True, config=SPLIT_CONFIG)
+        _, keys, count, mass, o_ref, c_ref = RA.reference_attention_triton(q, k, v, mask, 0.25, fractions, capacities, wrap=True)
+        return CO.correction_attention_triton(q, k, v, keys[1], count[1], mass[1], o_ref, c_ref[1], 0.25, wrap=True, config=SPLIT_CONFIG)
 
     gm = make_fx(both, tracing_mode="fake")(q, k, v, mask)
     launched = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     # scores, one selection kernel per radix digit + compaction, PV, combine; correction, combine
-    assert len(launched) == 1 + len(sd._radix_digits()) + 1 + 2 + 2
+    assert len(launched) == 1 + len(SEL.radix_digits()) + 1 + 2 + 2
     assert not any("item" in str(n.target) or "nonzero" in str(n.target) for n in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split", [1, 3], ids=["one-split", "three-splits"])
-@pytest.mark.parametrize("lane, stages", [(True, 1), (False, 2)], ids=["per-lane", "pipelined"])
-def test_correction_variants_match_the_aten_body(dtype, split, lane, stages):
-    # KernelConfig.lane_corr: the correction's online softmax per key lane; num_stages_corr: its
-    # key tiles software-pipelined (the interpreter runs the loop as written). Loop 2's state from the
+@pytest.mark.parametrize("stages", [1, 2], ids=["plain", "pipelined"])
+def test_correction_variants_match_the_aten_body(dtype, split, stages):
+    # num_stages_corr: the correction's key tiles software-pipelined (the interpreter runs the loop as written). Loop 2's state from the
     # ATen reference; one row with no selected keys (count 0: its output is O_ref - C_ref) and a
     # split beyond a short row's count (a split with no keys: its partial must weigh nothing)
     q, k, v, mask, later = _inputs(hq=4, hkv=2, t=2, s=90, d=32, lengths=(90, 40), dtype=dtype, seed=5)
@@ -224,9 +223,9 @@ def test_correction_variants_match_the_aten_body(dtype, split, lane, stages):
                                                                        _capacities(fractions, k.shape[2]))
     count = count.clone()
     count[0, 0, 1, 0] = 0  # fraction 0, row (b 0, head 1, query 0)
-    config = sd.KernelConfig(block_k=8, split_corr=split, lane_corr=lane, num_stages_corr=stages)
+    config = SC.KernelConfig(block_k=8, split_corr=split, num_stages_corr=stages)
     state = (keys[0], count[0], mass[0], o_ref, c_ref[0])
-    got = sd.correction_attention_triton(q, *later, *state, 0.25, config=config)
+    got = CO.correction_attention_triton(q, *later, *state, 0.25, config=config)
     want = ops._correction_attention_aten(q, *later, *state, 0.25)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got, want, **tol)

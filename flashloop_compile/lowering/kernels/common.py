@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["next_pow2", "sm_count", "no_wrap", "wrap_triton", "stored_end"]
+__all__ = ["next_pow2", "sm_count", "cpu_semantics", "no_wrap", "wrap_triton", "stored_end", "key_counts", "SUPPORTED_HEAD_DIMS"]
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # position_attention's constexpr head dims
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -23,6 +25,12 @@ def sm_count(device: torch.device) -> int:
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
+
+
+def cpu_semantics(device: torch.device) -> bool:
+    """Whether launchers pick the interpreter's launch choices (FP32 dots, its own tiles): on CPU
+    tensors. scripts/kernel_report.py replaces it to compile the GPU's launches on CPU tensors."""
+    return device.type != "cuda"
 
 
 # launch options Triton takes besides the kernel's parameters
@@ -94,3 +102,11 @@ def stored_end(q_positions: torch.Tensor, inflight_positions: torch.Tensor, max_
     else:
         qend = torch.zeros(q_positions.shape[:1], dtype=torch.int64, device=q_positions.device)
     return torch.where(first == big, qend, first).clamp(0, max_seq).to(torch.int32)
+
+
+def key_counts(fraction: float, visible: Tensor) -> Tensor:
+    """max(1, ceil(fraction * visible)) elementwise, int32, with the decimal rounding of
+    :func:`flashloop_compile.config.ceil_fraction` (computed in float64)."""
+    n = visible.to(torch.float64)
+    k = torch.ceil(torch.round(n * fraction, decimals=9)).clamp_min(1.0)
+    return torch.where(visible > 0, k, torch.zeros_like(k)).to(torch.int32)

@@ -1,5 +1,5 @@
 """The loop-2 reference's PV products in the code domain (O_ref, C_ref, the mass) on fp16 tensor
-cores, in Gluon: the twin of ``gluon_scores.py`` for ``sparse_decode._pv_linear_kernel``.
+cores, in Gluon: the twin of ``gluon_scores.py`` for ``reference_attention._pv_linear_kernel``.
 
 Per (row = b * Hkv + hk, split of the history) the kernel computes, for slot 0 (every key) and
 slot 1 (the selected keys: key(p) > thr, or == thr at positions <= cut), sum_n p_slot[n] v[n] with
@@ -19,7 +19,7 @@ where present). As one MMA (m16n8k16, one warp per program) per stream and 64-ke
   key 32 k3 + ... (``_codes_operand``; W takes the same key relabel). The relabels are reshapes
   and permutes of the logical indices, no data moves (convert_layout checks it on W's side).
 * W is rounded to fp16 after a per-tile power-of-two factor f puts its largest entry in
-  [2^14, 2^15), as packed_kv's ``_decode_mma_kernel`` does: each product code * W is exact in the
+  [2^14, 2^15): each product code * W is exact in the
   FP32 accumulator and 2^24 / f comes out after the MMA. Keys without residual j get W = 0.
 * the minima and the masses are per key and column: summed in registers over the split
   (sum p_slot min[n, group]), reduced once per split.
@@ -31,20 +31,13 @@ to W's fp16 rounding (11 bits; the tl kernel keeps p * scale in FP32). Gluon doe
 Triton interpreter: on CPU the tl kernel runs, and this one's sum is checked by an emulation of its
 operands (tests/test_gluon_pv.py) and its compile for sm_90 (tests/test_kernel_report.py); on the
 GPU against the tl kernel (tests/gpu/test_packed_gpu.py). Launched from the opaque custom op
-``flashloop::mma_linear_pv`` (packed_ops.py) when ``KernelConfig.pv_mma`` (the default since
-session 14: 1.8x per site at B4 x 32K, the 4x32K decode step 28.5 vs 30.9 ms; benchmarks/RESULTS.md).
-
-``_mma_pv_gather_kernel`` (session 15; ``flashloop::mma_gather_pv``) is the PV of a loop-3/4
-correction over loop 2's selected keys (``KernelConfig.correction_mma``): the same operands with
-each key's code row and V parameters gathered (V's parameters are per token, so any key order
-works), p = softmax over the selected set from the gathered scores' split partials, slot 0 only,
-partials for ``sparse_decode._correction_combine_kernel``. Compiled for sm_90, not yet run on a GPU.
+``flashloop::mma_linear_pv`` wherever it fits (1.8x the tl kernel per site at B4 x 32K on the
+H200, the 4x32K decode step 28.5 vs 30.9 ms).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 try:  # Gluon ships with triton >= 3.4
     from triton.experimental import gluon
@@ -55,7 +48,6 @@ except ImportError:  # pragma: no cover - older triton: the tl kernel runs
 
 HEAD_DIM, GROUP, TILE = 128, 64, 64  # the one shape the layouts below are built for (V groups of 64 channels)
 WINDOW_TILE = 16  # keys per tile of the window's BF16 loop
-GATHER_RESIDENT = 10  # _mma_pv_gather_kernel's programs per SM (sm_90: 180-195 registers at depths 1-3)
 
 if gluon is not None:
     D = gl.constexpr(HEAD_DIM)
@@ -89,7 +81,6 @@ if gluon is not None:
     WIN = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
                                         order=[1, 0]))
     CH = gl.constexpr(gl.SliceLayout(0, WIN))
-    SPL = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 
     @gluon.jit
     def _pair_nibbles(a, b):
@@ -176,30 +167,10 @@ if gluon is not None:
 
     @gluon.jit
     def _selected(pv, n, thr, cut):
-        """sparse_decode._prob_key(pv) > thr, or == thr at positions n <= cut."""
+        """selection._prob_key(pv) > thr, or == thr at positions n <= cut."""
         bits = pv.to(gl.int32, bitcast=True)
         key = gl.where(pv >= 0.0, gl.minimum(bits, (1 << 30) - 2) + 1, 0)
         return (key > thr) | ((key == thr) & (n <= cut))
-
-    @gluon.jit
-    def _probabilities(pv, lse, NORMALIZE: gl.constexpr):
-        """The attention weights of stored values pv: probabilities as they stand (< 0 where
-        invisible), or with NORMALIZE scaled scores (-inf where masked) normalized by the row's lse."""
-        if NORMALIZE:
-            return gl.exp(pv - lse)
-        return gl.maximum(pv, 0.0)
-
-    @gluon.jit
-    def _row_lse(pm_ptr, pl_ptr, row, SPLIT_A, SPLIT_P2: gl.constexpr):
-        """The row's log-sum-exp from the scores' split partials (max, sum of exp) at pm_ptr / pl_ptr
-        [R, SPLIT_A]; 0 for a row with no visible key."""
-        sp = gl.arange(0, SPLIT_P2, layout=SPL)
-        pm = gl.load(pm_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=float("-inf"))
-        pl = gl.load(pl_ptr + row * SPLIT_A + sp, mask=sp < SPLIT_A, other=0.0)
-        mx = gl.max(pm, 0)
-        mx = gl.where(mx > float("-inf"), mx, 0.0)
-        tot = gl.sum(pl * gl.exp(pm - mx), 0)
-        return gl.where(tot > 0.0, mx + gl.log(tot), 0.0)
 
     @gluon.jit
     def _v_tables(v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, row, S, CAPT):
@@ -233,28 +204,19 @@ if gluon is not None:
         p_ptr, v_ptr, thr_ptr, cut_ptr, po_ptr, pmass_ptr, lo_ptr,
         S, HKV, R, E_TOTAL, NW, svb, svh, svs, CHUNK,
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, CAPT,
-        pm_ptr, pl_ptr, SPLIT_A,
-        DEPTH: gl.constexpr, SELECT: gl.constexpr = True, NORMALIZE: gl.constexpr = False,
-        SPLIT_P2: gl.constexpr = 1,
+        DEPTH: gl.constexpr,
     ):
         """_pv_linear_kernel (one query row per kv head, row = b * HKV + hk, one fraction) with the
-        keys below lo[b] on tensor cores; partials [split, slot, row] for _pv_combine_kernel.
-        Without SELECT, slot 1 is empty (no selection: decode). With NORMALIZE, p_ptr holds the
-        scaled scores and pm_ptr / pl_ptr [R, SPLIT_A] their split partials (max, sum of exp), as
-        the scores kernels leave them: the probabilities are formed here. p and the selection test
-        are computed in W's layout: every lane of a column group repeats them (once per key through
-        shared memory took 1.6-1.8x as long on the H200, session 16)."""
+        keys below lo[b] on tensor cores; partials [split, slot, row] for _pv_combine_kernel. p and
+        the selection test are computed in W's layout: every lane of a column group repeats them
+        (once per key through shared memory took 1.6-1.8x as long on the H200)."""
         pid_bh = gl.program_id(0)
         pid_s = gl.program_id(1)
         b = (pid_bh // HKV).to(gl.int64)
         hk = (pid_bh % HKV).to(gl.int64)
         row = pid_bh.to(gl.int64)
-        if SELECT:
-            thr = gl.load(thr_ptr + row)
-            cut = gl.load(cut_ptr + row)
-        lse = 0.0
-        if NORMALIZE:
-            lse = _row_lse(pm_ptr, pl_ptr, row, SPLIT_A, SPLIT_P2)
+        thr = gl.load(thr_ptr + row)
+        cut = gl.load(cut_ptr + row)
         vb, vr, vbm, vbs, vrm, vrs = _v_tables(v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, row, S,
                                                CAPT)
         p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
@@ -273,11 +235,8 @@ if gluon is not None:
         for n0 in range(start, mid, BN):
             n = n0 + nk
             pv = gl.load(p_row + n0 + nk)
-            pa = _probabilities(pv, lse, NORMALIZE)
-            if SELECT:
-                ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
-            else:
-                ps = gl.zeros_like(pa)
+            pa = gl.maximum(pv, 0.0)  # probabilities, < 0 where invisible
+            ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
             p2 = gl.where(col < 4, gl.where(col % 2 == 0, gl.expand_dims(pa, 1), gl.expand_dims(ps, 1)), 0.0)
             msum += _key_sum(p2)
             # the base: whole tiles, addresses from the tile's pointer and loop-invariant offsets
@@ -303,12 +262,9 @@ if gluon is not None:
             in_buf = n_ok & (idx < NW)
             vt = gl.load(v_row + gl.expand_dims(idx * svs, 1) + gl.expand_dims(ch, 0),
                          mask=gl.expand_dims(in_buf, 1) & gl.expand_dims(ch >= 0, 0), other=0.0).to(gl.float32)
-            pv = gl.load(p_ptr + row * S + n, mask=n_ok, other=float("-inf") if NORMALIZE else -1.0)
-            pa = gl.where(in_buf, _probabilities(pv, lse, NORMALIZE), 0.0)
-            if SELECT:
-                ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
-            else:
-                ps = gl.zeros_like(pa)
+            pv = gl.load(p_ptr + row * S + n, mask=n_ok, other=-1.0)
+            pa = gl.where(in_buf, gl.maximum(pv, 0.0), 0.0)
+            ps = gl.where(_selected(pv, n, thr, cut), pa, 0.0)
             mw0 += pa
             mw1 += ps
             yw0 += gl.sum(vt * gl.expand_dims(pa, 1), 0)
@@ -321,85 +277,6 @@ if gluon is not None:
         gl.store(po_ptr + o1 * D + ch, out1 + yw1)
         gl.store(pmass_ptr + o0, mass0 + gl.sum(mw0, 0))
         gl.store(pmass_ptr + o1, mass1 + gl.sum(mw1, 0))
-
-
-    @gluon.jit
-    def _mma_pv_gather_kernel(
-        s_ptr, v_ptr, keys_ptr, count_ptr, pm_ptr, pl_ptr, pacc_ptr, lo_ptr, sm_ptr, sl_ptr,
-        S, HKV, KMAX, NW, svb, svh, svs, CHUNK, SPLIT, SPLIT_A,
-        v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, CAPT,
-        DEPTH: gl.constexpr, SPLIT_P2: gl.constexpr,
-    ):
-        """The PV product of a correction at depth DEPTH (one query row per kv head, row = b * HKV
-        + hk) over loop 2's selected keys keys_ptr [R, KMAX] (count_ptr[row] valid, any order):
-        the probabilities softmax(s) over the selected set, from the scores s_ptr [R, KMAX] and
-        their split partials sm_ptr / sl_ptr [R, SPLIT_A] (gluon_scores._mma_gather_scores_kernel),
-        times V at each key: below lo[b] on tensor cores as _mma_pv_kernel (one stream's codes
-        gathered per key, W = p * scale, column 2 * group; slot 0 only), from lo[b] on from the
-        window v_ptr [B, HKV, NW, D]. Per split of the list, _correction_combine_kernel's partials:
-        pm 0 (the probabilities are already normalized), pl the split's sum of p, pacc its sum of
-        p v."""
-        pid_bh = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = (pid_bh // HKV).to(gl.int64)
-        hk = (pid_bh % HKV).to(gl.int64)
-        row = pid_bh.to(gl.int64)
-        lse = _row_lse(sm_ptr, sl_ptr, row, SPLIT_A, SPLIT_P2)  # over the selected list
-        vb, vr, vbm, vbs, vrm, vrs = _v_tables(v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, row, S,
-                                               CAPT)
-        p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
-        jk = gl.arange(0, BN, layout=KEYS)
-        col = gl.expand_dims(gl.arange(0, 8, layout=COLS), 0)
-        grp1 = (col // 2) == 1
-        lo = gl.load(lo_ptr + b).to(gl.int32)
-        cnt = gl.minimum(gl.load(count_ptr + row), KMAX)
-        start = pid_s * CHUNK
-        end = gl.minimum(start + CHUNK, cnt)
-        key_row = keys_ptr + row * KMAX
-        s_row = s_ptr + row * KMAX
-        acc = gl.zeros([D, 8], gl.float32, layout=MMA)
-        ymin = gl.zeros([4, 8], gl.float32, layout=KSUM)
-        msum = gl.zeros([4, 8], gl.float32, layout=KSUM)
-        wn = gl.arange(0, BNW, layout=gl.SliceLayout(1, WIN))
-        ch = gl.arange(0, D, layout=CH)
-        v_row = v_ptr + b * svb + hk * svh
-        yw0 = gl.zeros([D], gl.float32, layout=CH)
-        mw0 = gl.zeros([BNW], gl.float32, layout=gl.SliceLayout(1, WIN))
-        for j0 in range(start, end, BN):
-            j = j0 + jk
-            ok = j < end
-            n = gl.load(key_row + j, mask=ok, other=0)
-            bulk = ok & (n < lo)
-            nc = gl.where(bulk, n, 0)
-            pa = gl.where(bulk, gl.exp(gl.load(s_row + j, mask=ok, other=float("-inf")) - lse), 0.0)
-            p2 = gl.where((col == 0) | (col == 2), gl.expand_dims(pa, 1), 0.0)  # slot 0 of both groups
-            msum += _key_sum(p2)
-            acc, ymin = _add_rows(acc, ymin, p2, grp1, vb, vbs, vbm, p, nc, bulk)  # int32 rows (the launcher checks)
-            for r in range(1, DEPTH + 1):  # residual r: gathered rows where present (a loop, not
-            # unrolled: the streams' gathers in flight at once spilled at depth 3)
-                rj = gl.load(rows + ((r - 1) * B + b) * S + nc, mask=bulk, other=-1)
-                has = rj >= 0
-                acc, ymin = _add_rows(acc, ymin, p2, grp1, vr, vrs, vrm, p, gl.load(res_layout + r) + gl.where(has, rj, 0),
-                                      has)
-        # keys from lo on: the window's BF16 rows (CUDA cores), a second pass over the split's list
-        # BNW keys at a time (out of the code loop: its registers)
-        for j0 in range(start, end, BNW):
-            jw = j0 + wn
-            okw = jw < end
-            nw_ = gl.load(key_row + jw, mask=okw, other=0)
-            idx = (nw_ - lo).to(gl.int64)
-            inw = okw & (nw_ >= lo) & (idx < NW)
-            if gl.sum(inw.to(gl.int32), 0) > 0:
-                vt = gl.load(v_row + gl.expand_dims(idx * svs, 1) + gl.expand_dims(ch, 0),
-                             mask=gl.expand_dims(inw, 1) & gl.expand_dims(ch >= 0, 0), other=0.0).to(gl.float32)
-                pw = gl.where(inw, gl.exp(gl.load(s_row + jw, mask=okw, other=float("-inf")) - lse), 0.0)
-                mw0 += pw
-                yw0 += gl.sum(vt * gl.expand_dims(pw, 1), 0)
-        out0, mass0 = _slot_sums(acc, ymin, msum, 0)
-        o = row * SPLIT + pid_s
-        gl.store(pacc_ptr + o * D + ch, out0 + yw0)
-        gl.store(pl_ptr + o, mass0 + gl.sum(mw0, 0))
-        gl.store(pm_ptr + o, 0.0)
 
 
 def fits(p: torch.Tensor, head_dim: int, group: int, depth: int) -> bool:
@@ -433,55 +310,21 @@ def _run(kernel, grid):
 
 
 def launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
-              v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None, part_m=None, part_l=None):
+              v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None):
     """The body of ``flashloop::mma_linear_pv`` (registered in packed_ops.py): fills the split
     partials part_o [split, 2 R, D] and part_mass [split, 2 R] (R = B * Hkv rows, slot 0 then
     slot 1) from probs [R, S] (normalized probabilities, < 0 where invisible), the selection's
     thr / cut [R], the window buffer v [B, Hkv, NW, D] from lo[b] on (unit channel stride) and the
-    packed cache's V tensors. Decode (no selection): thr / cut None, probs the scaled scores
-    (-inf where masked) and part_m / part_l [R, split_a] their split partials; slot 1 stays 0."""
+    packed cache's V tensors."""
     run = run or _run
     bsz, hkv, nw = v.shape[0], v.shape[1], v.shape[2]
     cache_b, _, s, _ = v_base.shape  # [B, H, S, D/2]
     capt = v_res.shape[2]
     r = bsz * hkv
-    select = thr is not None
-    normalize = part_m is not None
-    if select == normalize:
-        raise ValueError("launch_pv: give the selection (thr, cut) with probabilities, or the split partials "
-                         "(part_m, part_l) with scores, not both or neither")
-    split_a = part_m.shape[1] if normalize else 1
     return run(_mma_pv_kernel, (r, split))(
-        probs, v, thr if select else probs, cut if select else probs, part_o, part_mass, lo,
+        probs, v, thr, cut, part_o, part_mass, lo,
         s, hkv, r, 2 * r, nw, v.stride(0), v.stride(1), v.stride(2), chunk,
         v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, cache_b, capt,
-        part_m if normalize else probs, part_l if normalize else probs, split_a,
-        DEPTH=depth, SELECT=select, NORMALIZE=normalize, SPLIT_P2=max(32, triton.next_power_of_2(split_a)),
-        num_warps=1)  # (maxnreg 144 or 128 spill at depth 1: 168 registers, 12 programs per SM)
+        DEPTH=depth, num_warps=1)  # (maxnreg 144 or 128 spill at depth 1: 168 registers, 12 programs per SM)
 
 
-def launch_gather_pv(scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l, v_base, v_base_min,
-                     v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, chunk: int, split: int, depth: int,
-                     run=None):
-    """The body of ``flashloop::mma_gather_pv`` (registered in packed_ops.py): a correction's PV
-    over the selected keys keys [R, KMAX] (count [R] valid) with the probabilities formed from
-    scores [R, KMAX] and their split partials score_m / score_l [R, split_a]
-    (gluon_scores.launch_gather_scores), into sparse_decode._correction_combine_kernel's partials
-    part_m / part_l [R, split] and part_acc [R, split, D] (splits of ``chunk`` list entries, a
-    multiple of the tile). v: the window buffer [B, Hkv, NW, D] from lo[b] on (unit channel
-    stride); the cache's V tensors as packed_kv's. ``run`` as launch_pv's."""
-    run = run or _run
-    bsz, hkv, nw = v.shape[0], v.shape[1], v.shape[2]
-    cache_b, _, s, _ = v_base.shape
-    if chunk % TILE:
-        raise ValueError(f"launch_gather_pv: chunk {chunk} is not a multiple of the {TILE}-key tile")
-    if max(s, v_res.shape[2]) * (HEAD_DIM // 2) >= 2**31:
-        raise ValueError(f"launch_gather_pv: a row's codes ({s} or {v_res.shape[2]} rows of {HEAD_DIM // 2} bytes) "
-                         f"need 64-bit offsets; the kernel takes 32-bit ones")
-    split_a = score_m.shape[1]
-    return run(_mma_pv_gather_kernel, (bsz * hkv, split))(
-        scores, v, keys, count, part_m, part_l, part_acc, lo, score_m, score_l,
-        s, hkv, keys.shape[1], nw, v.stride(0), v.stride(1), v.stride(2), chunk, split, split_a,
-        v_base, v_base_min, v_base_scale, v_res, v_res_min, v_res_scale, rows, res_layout, cache_b, v_res.shape[2],
-        DEPTH=depth, SPLIT_P2=max(32, triton.next_power_of_2(split_a)),
-        num_warps=1)

@@ -1,8 +1,8 @@
 """The code-domain reference scores (loop 2 under quantization) on fp16 tensor cores, in Gluon.
 
-``sparse_decode._scores_linear_kernel`` (Triton ``tl``) spends about 7.6 instructions per INT4 code:
+``reference_attention._scores_linear_kernel`` (Triton ``tl``) spends about 7.6 instructions per INT4 code:
 ``tl`` picks the register layout, and every thread holds a few channels of a few keys, so the
-unpack, an fp16 -> fp32 conversion and an FMA are paid per code (sessions 9-12). Here the product
+unpack, an fp16 -> fp32 conversion and an FMA are paid per code. Here the product
 q . k is an fp16 MMA (m16n8k16) computing scores^T [keys, 8] = codes [keys, D] x q' [D, 8]:
 
 * the codes are the A operand. Its fragment holds channel pairs (k, k+1) of keys g and g+8; the
@@ -19,7 +19,7 @@ q . k is an fp16 MMA (m16n8k16) computing scores^T [keys, 8] = codes [keys, D] x
   reduction over query rows.
 
 Per key tile (64 keys, depth 1) the loop is about 300 SASS instructions against the tl kernel's 980
-(``scripts/kernel_report.py --only sparse``, checked in tests/test_kernel_report.py); the H200 numbers are in benchmarks/RESULTS.md (session 13). q'
+(``scripts/kernel_report.py --only sparse``, checked in tests/test_kernel_report.py). q'
 is rounded to fp16 (11 bits) where the tl kernel keeps q in FP32: scores differ by about 1e-3 at
 scores of a few units, inside the bf16 tolerance; the selection may reorder near-ties.
 
@@ -27,14 +27,8 @@ Gluon does not run under the Triton interpreter: on CPU tensors the tl kernel ru
 the arithmetic of this one is checked there by an emulation (``emulate_scores``) and its compile
 for sm_90. The launch is an opaque custom op (``flashloop::mma_linear_scores``, packed_ops.py):
 Inductor's user-defined Triton kernel support (``wrap_triton``) analyses ``tl`` kernels, not Gluon
-ones. On by default since session 14 (``KernelConfig.scores_mma``): 1.9x per site, and the 4x32K
-decode step 30.8 ms against 34.1 ms with the tl kernel in the same device call (benchmarks/RESULTS.md).
-
-``_mma_gather_scores_kernel`` (session 15; ``flashloop::mma_gather_scores``) is the same product
-for a loop-3/4 correction over loop 2's selected keys (``KernelConfig.correction_mma``): a 64-key
-tile of the selection list spans several K blocks, so the MMA's 16 columns take q' of 16
-consecutive blocks and each key keeps its own block's column (docs/DESIGN.md, "The correction on
-the codes"). Compiled for sm_90, not yet run on a GPU.
+ones. It runs wherever it fits: 1.9x the tl kernel per site, and the 4x32K decode step 30.8 ms
+against 34.1 ms with the tl kernel in the same device call (H200).
 """
 
 from __future__ import annotations
@@ -51,7 +45,6 @@ except ImportError:  # pragma: no cover - older triton: the tl kernel runs
     gluon = None
 
 HEAD_DIM, GROUP, TILE, WARPS = 128, 64, 64, 4  # the one shape the layouts below are built for
-GATHER_RESIDENT = 3  # _mma_gather_scores_kernel's 4-warp programs per SM (sm_90: 146-154 registers at depths 2-3, either prep)
 
 if gluon is not None:
     D = gl.constexpr(HEAD_DIM)
@@ -79,17 +72,6 @@ if gluon is not None:
     # the window's BF16 rows [BN, D] (packed_read's buffer: a few tiles per row)
     WIN = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[WARPS, 1],
                                         order=[1, 0]))
-    # the gathered correction (_mma_gather_scores_kernel): q' of NCOL K blocks at once, [D, NCOL]; B_OP
-    # [128, 16]: Q_LOAD's bases and a register bit on the column 8
-    NCOL = gl.constexpr(16)
-    GP = gl.constexpr(GROUP)  # keys per K block
-    Q_COLS = gl.constexpr(gl.DistributedLinearLayout(
-        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [16, 0], [0, 8]],
-        lane_bases=[[32, 0], [64, 0], [0, 1], [0, 2], [0, 4]],
-        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[HEAD_DIM, 16]))
-    # the window rows of a gathered tile, 32 channels at a time: [BN, 32], 16 values per thread
-    WIN32 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4], warps_per_cta=[WARPS, 1],
-                                          order=[1, 0]))
 
     @gluon.jit
     def _nibbles(y):
@@ -221,116 +203,6 @@ if gluon is not None:
         _store_partials(pm_ptr, pl_ptr, m_v, l_v, row * SPLIT + pid_s)
 
 
-    @gluon.jit
-    def _q_columns(a_ptr, cb):
-        """The B operand q' [D, NCOL]: column c the prepared row (D fp16, _prep_kernel's table) of K
-        block cb[c] at a_ptr (SliceLayout(0, Q_COLS); < 0: none, zeros), relabelled as
-        _codes_operand. Each thread loads 32 contiguous channels of two columns."""
-        ch = gl.arange(0, D, layout=gl.SliceLayout(1, Q_COLS))
-        ok = gl.expand_dims(ch >= 0, 1) & gl.expand_dims(cb >= 0, 0)
-        a = gl.load(a_ptr + gl.expand_dims(ch, 1) + gl.expand_dims(gl.maximum(cb, 0).to(gl.int64) * D, 0),
-                    mask=ok, other=0.0)
-        a = gl.reshape(gl.permute(gl.reshape(a, [4, 16, 2, NCOL]), [1, 0, 2, 3]), [D, NCOL])
-        return gl.convert_layout(a, B_OP, assert_trivial=True)
-
-    @gluon.jit
-    def _mma_gather_scores_kernel(
-        q_ptr, k_ptr, keys_ptr, count_ptr, s_ptr, pm_ptr, pl_ptr, lo_ptr, a_ptr, bias_ptr,
-        S, HKV, KMAX, scale, NW, sqb, sqh, skb, skh, sks, CHUNK, SPLIT,
-        k_base, k_res, rows, res_layout, B, NB, CAPT, ROWS,
-        DEPTH: gl.constexpr,
-    ):
-        """The scores of a correction at depth DEPTH (one query row per kv head, row = b * HKV + hk)
-        over loop 2's selected keys keys_ptr [R, KMAX] (the first count_ptr[row] valid, any order),
-        those below lo[b] on tensor cores: s_ptr [R, KMAX] (scaled scores at the keys' list
-        indices) and, per split of the list, the online-softmax partials (max, sum of exp).
-
-        A 64-key tile of the list spans several K blocks (64 keys, one scale and minimum per
-        channel each), so q' differs per key. The MMA's NCOL columns take q' (_prep_kernel's table
-        a_ptr, biases bias_ptr, as _mma_scores_kernel) of NCOL consecutive blocks blo .. blo +
-        NCOL - 1 (blo: the tile's lowest block not yet done; columns without a key load nothing)
-        and each key keeps its own block's column; a tile over more blocks takes more rounds
-        (sorted keys at 10%: about one), each key's codes are loaded in its round only. Keys from
-        lo[b] on come from the window k_ptr [B, HKV, NW, D] (packed_read of positions lo[b] ..)."""
-        pid_bh = gl.program_id(0)
-        pid_s = gl.program_id(1)
-        b = (pid_bh // HKV).to(gl.int64)
-        hk = (pid_bh % HKV).to(gl.int64)
-        row = pid_bh.to(gl.int64)
-        kb = k_base + row * S * (D // 2)
-        kr = k_res + row * CAPT * (D // 2)
-        p = gl.arange(0, D // 2, layout=gl.SliceLayout(0, BYTES))
-        jb = gl.arange(0, BN, layout=gl.SliceLayout(1, BYTES))
-        jk = gl.arange(0, BN, layout=KEYS)
-        colm = gl.expand_dims(gl.arange(0, NCOL, layout=gl.SliceLayout(0, MMA)), 0)  # [1, NCOL]
-        colq = gl.arange(0, NCOL, layout=gl.SliceLayout(0, Q_COLS))
-        q_row = q_ptr + b * sqb + hk * sqh
-        lo = gl.load(lo_ptr + b).to(gl.int32)
-        cnt = gl.minimum(gl.load(count_ptr + row), KMAX)
-        start = pid_s * CHUNK
-        end = gl.minimum(start + CHUNK, cnt)
-        key_row = keys_ptr + row * KMAX
-        a_row = a_ptr + row * NB * D
-        b_row = bias_ptr + row * NB
-        wj = gl.arange(0, BN, layout=gl.SliceLayout(1, WIN32))
-        wc = gl.arange(0, 32, layout=gl.SliceLayout(0, WIN32))
-        k_row = k_ptr + b * skb + hk * skh
-        m_v = gl.full([BN], float("-inf"), gl.float32, layout=KEYS)
-        l_v = gl.zeros([BN], gl.float32, layout=KEYS)
-        for j0 in range(start, end, BN):
-            # the tile's positions, in the accumulator's layout and (loaded again: L1 hits) the bytes'
-            j = j0 + jk
-            ok = j < end
-            n = gl.load(key_row + j, mask=ok, other=0)
-            bulk = ok & (n < lo)
-            nk = gl.where(bulk, n, 0)
-            blk = gl.where(bulk, n // GP, -1)
-            jj = j0 + jb
-            nb_ = gl.load(key_row + jj, mask=jj < end, other=0)
-            blk_b = gl.where((jj < end) & (nb_ < lo), nb_ // GP, -1)
-            # the biases per key (_prep_kernel's: the base's for every key, residual r's where present)
-            bias = gl.load(b_row + gl.maximum(blk, 0), mask=bulk, other=0.0)
-            for r in gl.static_range(1, DEPTH + 1):
-                has_k = gl.load(rows + ((r - 1) * B + b) * S + nk, mask=bulk, other=-1) >= 0
-                bias += gl.load(b_row + r * ROWS * NB + gl.maximum(blk, 0), mask=has_k, other=0.0)
-            sacc = gl.zeros([BN], gl.float32, layout=KEYS)
-            blo = gl.min(gl.where(bulk, blk, NB), 0)
-            while blo < NB:
-                hit = gl.expand_dims(blk - blo, 1) == colm  # [BN, NCOL]: each key's column this round
-                used = gl.max(hit.to(gl.int32), 0)
-                in_b = (blk_b >= blo) & (blk_b < blo + NCOL)
-                nbr = gl.where(in_b, nb_, 0)
-                codes = _codes_operand(_tile_bytes(kb, nbr, p, in_b))
-                cb = gl.where(gl.convert_layout(used, gl.SliceLayout(0, Q_COLS)) > 0, blo + colq, -1)
-                acc = mma_v2(codes, _q_columns(a_row, cb), gl.zeros([BN, NCOL], gl.float32, layout=MMA))
-                for st in range(1, DEPTH + 1):  # (a runtime loop: ptxas may unroll it)
-                    rj = gl.load(rows + ((st - 1) * B + b) * S + nbr, mask=in_b, other=-1)
-                    has = rj >= 0
-                    g = gl.load(res_layout + st) + gl.where(has, rj, 0)
-                    codes = _codes_operand(_tile_bytes(kr, g, p, has))
-                    acc = mma_v2(codes, _q_columns(a_row + st * ROWS * NB * D, cb), acc)
-                sacc += gl.sum(gl.where(hit, acc, 0.0), 1)
-                blo = gl.min(gl.where(bulk & (blk >= blo + NCOL), blk, NB), 0)
-            s = gl.where(bulk, (sacc + bias) * scale, float("-inf"))
-            # keys from lo on: the window's BF16 rows, 32 channels at a time
-            if gl.sum((ok & (n >= lo)).to(gl.int32), 0) > 0:
-                jw = j0 + wj
-                okw = jw < end
-                nw_ = gl.load(key_row + jw, mask=okw, other=0)
-                idx = (nw_ - lo).to(gl.int64)
-                inw = okw & (nw_ >= lo) & (idx < NW)
-                sw = gl.zeros([BN], gl.float32, layout=gl.SliceLayout(1, WIN32))
-                for c in gl.static_range(0, D, 32):
-                    kt = gl.load(k_row + gl.expand_dims(idx * sks, 1) + gl.expand_dims(c + wc, 0),
-                                 mask=gl.expand_dims(inw, 1) & gl.expand_dims(wc >= 0, 0), other=0.0).to(gl.float32)
-                    qc = gl.load(q_row + c + wc).to(gl.float32)
-                    sw += gl.sum(kt * gl.expand_dims(qc, 0), 1)
-                sw = gl.convert_layout(gl.where(inw, sw * scale, float("-inf")), KEYS)
-                s = gl.where(ok & (n >= lo), sw, s)
-            gl.store(s_ptr + row * KMAX + j, s, mask=ok)
-            m_v, l_v = _softmax_step(m_v, l_v, s)
-        _store_partials(pm_ptr, pl_ptr, m_v, l_v, row * SPLIT + pid_s)
-
 @triton.jit
 def _prep_kernel(q_ptr, sqb, sqh, k_base_min, k_base_scale, k_res_min, k_res_scale, a_ptr, bias_ptr,
                  HKV, B, NB, D: tl.constexpr, DEPTH: tl.constexpr, BLK: tl.constexpr):
@@ -419,25 +291,3 @@ def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_b
         DEPTH=depth, num_warps=WARPS)
 
 
-def launch_gather_scores(q, k, keys, count, scores, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res,
-                         k_res_min, k_res_scale, rows, res_layout, scale: float, chunk: int, split: int, depth: int,
-                         run=None):
-    """The body of ``flashloop::mma_gather_scores`` (registered in packed_ops.py): a correction's
-    scores over the selected keys keys [R, KMAX] (count [R] valid, R = B * Hkv rows) at ``depth``
-    into scores [R, KMAX] and the split partials part_m / part_l [R, split] (splits of ``chunk``
-    list entries, a multiple of the tile). k: the window buffer [B, Hkv, NW, D] from lo[b] on
-    (unit channel stride), q [B, Hkv, 1, D] (unit channel stride), the cache tensors as
-    packed_kv's. ``run`` as launch_scores'."""
-    run = run or _run
-    bsz, hkv = q.shape[0], q.shape[1]
-    cache_b, _, s, _ = k_base.shape  # [B, H, S, D/2]
-    if chunk % TILE:
-        raise ValueError(f"launch_gather_scores: chunk {chunk} is not a multiple of the {TILE}-key tile")
-    nb = s // GROUP
-    rows_n = bsz * hkv
-    a, bias = _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb, cache_b, depth, run)
-    return run(_mma_gather_scores_kernel, (rows_n, split))(
-        q, k, keys, count, scores, part_m, part_l, lo, a, bias,
-        s, hkv, keys.shape[1], scale, k.shape[2], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        chunk, split, k_base, k_res, rows, res_layout, cache_b, nb, k_res.shape[2], rows_n,
-        DEPTH=depth, num_warps=WARPS)

@@ -43,12 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flashloop_compile.lowering.kernels.common import no_wrap, sm_count
+from flashloop_compile.lowering.kernels.common import SUPPORTED_HEAD_DIMS, no_wrap, sm_count
 
 __all__ = ["position_attention_triton", "PrefillConfig", "default_config", "SUPPORTED_HEAD_DIMS"]
 
 LOG2E = 1.4426950408889634
-from flashloop_compile.lowering.prefill_ops import SUPPORTED_HEAD_DIMS  # noqa: E402
 
 
 @triton.jit

@@ -1,0 +1,457 @@
+"""Triton kernels of ``flashloop::packed_read`` and of the read-and-attend correction (conventions
+in packed_codec.py).
+
+- ``_read_kernel`` [B, H, tiles of P]: logical values at given positions, shared by the heads or
+  per head (resolution rule).
+- ``_read_bulk_kernel``: the same, tiles below the flushed boundaries read without per-token
+  resolution.
+- ``_read_attend_kernel``: sparse decode's correction partials over the selected keys,
+  reconstructed and attended in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashloop_compile.lowering.kernels import common
+from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap
+from flashloop_compile.lowering.kernels.packed_codec import (
+    DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _bulk_k, _bulk_v, _flushed_min, _geometry, _reconstruct, _round_to, _row_bases,
+)
+
+__all__ = ["launch_packed_read", "launch_packed_read_attend", "read_attend_fits", "PACKED_READ"]
+
+
+@triton.jit
+def _resolve_tile(
+    p, tm, b, h, depth,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    in_positions, k_in, v_in,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    Ti, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr,
+):
+    """K/V (fp32 even / odd halves [BP, NP], rounded to the compute dtype) of positions p (tm:
+    inside the read) of row (b, h) with per-token resolution (_reconstruct), the positions equal
+    to one of the row's Ti in-flight positions replaced by that token's K/V."""
+    pm = tm & (p >= 0) & (p < S)
+    ke, ko, ve, vo, _ok = _reconstruct(
+        p, pm, b, h, depth,
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        B, H, S, NB, CAPT, R, D, G, 0, NP, False, RP,
+    )
+    i = tl.arange(0, NP)
+    imask = i < D // 2
+    u = 0
+    while u < Ti:  # this step's tokens (Ti is small: decode's query rows); no branch on loads (see _reconstruct)
+        ip = tl.load(in_positions + b * sip_b + u * sip_t)
+        hit = ((p == ip) & (ip >= 0))[:, None]
+        ko_ = b * sk_b + h * sk_h + u * sk_t + 2 * i * sk_d
+        vo_ = b * sv_b + h * sv_h + u * sv_t + 2 * i * sv_d
+        ke = tl.where(hit, tl.load(k_in + ko_, mask=imask, other=0.0).to(tl.float32)[None, :], ke)
+        ko = tl.where(hit, tl.load(k_in + ko_ + sk_d, mask=imask, other=0.0).to(tl.float32)[None, :], ko)
+        ve = tl.where(hit, tl.load(v_in + vo_, mask=imask, other=0.0).to(tl.float32)[None, :], ve)
+        vo = tl.where(hit, tl.load(v_in + vo_ + sv_d, mask=imask, other=0.0).to(tl.float32)[None, :], vo)
+        u += 1
+    return _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD)
+
+
+@triton.jit
+def _read_tile(
+    p, t, tm, b, h, depth,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    out_k, out_v, in_positions, k_in, v_in,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr,
+):
+    """packed_read of positions p (read-list indices t, tm: inside P) of row (b, h): the generic
+    read of one tile (_resolve_tile), stored at slots t."""
+    ke, ko, ve, vo = _resolve_tile(
+        p, tm, b, h, depth,
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        in_positions, k_in, v_in,
+        sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+        Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP,
+    )
+    i = tl.arange(0, NP)
+    m2 = tm[:, None] & (i < D // 2)[None, :]
+    o = ((b * H + h) * P + t)[:, None] * D + 2 * i[None, :]
+    ty = out_k.dtype.element_ty
+    tl.store(out_k + o, ke.to(ty), mask=m2)
+    tl.store(out_k + o + 1, ko.to(ty), mask=m2)
+    tl.store(out_v + o, ve.to(ty), mask=m2)
+    tl.store(out_v + o + 1, vo.to(ty), mask=m2)
+
+
+@triton.jit(do_not_specialize=["depth_arg"])
+def _read_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    positions, out_k, out_v, lim, in_positions, k_in, v_in,
+    sp_b, sp_h, sp_t, sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, depth_arg, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+    RP: tl.constexpr = 4,
+):
+    """packed_read of positions [BP] of row (b, h) (_read_tile): the shapes the bulk read does not
+    take (a head_dim that is not a power of two, an odd group)."""
+    depth = depth_arg - _DEPTH_BIAS
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2) * BP + tl.arange(0, BP)
+    tm = t < P
+    p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
+    _read_tile(p, t, tm, b, h, depth,
+               k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+               k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+               k_tail, v_tail, flushed, rows, depth_count, res_layout,
+               out_k, out_v, in_positions, k_in, v_in,
+               sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+               P, Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP)
+
+
+@triton.jit
+def _bulk_read_tile(p, tm, flushed_b, lim_b, depth, BP: tl.constexpr, RP: tl.constexpr):
+    """Whether every entry of a read tile (positions p [BP], tm: inside P) is a position below
+    every depth's flushed boundary (0..depth) and below the row's first in-flight position
+    (lim_b), in any order: there every position holds its base and residual j is present exactly
+    where rows_j >= 0, so no per-token state is needed. A prefix (the loop-2 reference's whole
+    history) and the selected keys of a correction (sparse decode's top-k, scattered) are almost
+    all such tiles; a tile with padding (-1), a position in the ring or beyond, or the end of P
+    goes to _read_kernel."""
+    fl_min = _flushed_min(flushed_b, depth, RP)
+    p_lo = tl.min(tl.where(tm, p, -1), 0)
+    p_hi = tl.max(p, 0)
+    return (p_lo >= 0) & (p_hi < fl_min) & (p_hi < tl.load(lim_b))
+
+
+@triton.jit
+def _write_bulk_tile(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                     rows, res_layout, out_k, out_v, pc, t, b, h, P, B, H, S, NB, CAPT,
+                     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, DEPTH: tl.constexpr):
+    """K/V rows of a bulk tile (positions pc [BP], int32, every one below the flushed boundaries)
+    of row (b, h) into out_k/out_v at read slots t [BP]: K parameters as 32-bit pair words, V group
+    parameters selected in registers, rows stored whole (even/odd halves interleaved in registers);
+    the arithmetic and order of _reconstruct."""
+    HD: tl.constexpr = D // 2
+    bh = b * H + h
+    kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]  # each position's block of K parameters
+    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+        bh, S, NB, CAPT, D, G,
+    )
+    ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
+                     B, H, S, NB, D, DEPTH)
+    ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G, BP, DEPTH)
+    ty = out_k.dtype.element_ty
+    o = ((bh * P + t) * D)[:, None] + tl.arange(0, D)[None, :]
+    k_rows = tl.reshape(tl.join(_round_to(ke, CD), _round_to(ko, CD)), [BP, D]).to(ty)
+    v_rows = tl.reshape(tl.join(_round_to(ve, CD), _round_to(vo, CD)), [BP, D]).to(ty)
+    tl.store(out_k + o, k_rows)
+    tl.store(out_v + o, v_rows)
+
+
+@triton.jit
+def _read_bulk_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    flushed, rows, res_layout, positions, out_k, out_v, lim,
+    sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
+    k_tail, v_tail, depth_count, in_positions, k_in, v_in,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, Ti,
+    D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
+    NP: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """packed_read of the tiles _bulk_read_tile admits (sparse decode's loop-2 reference reads
+    the whole history, its corrections the selected keys: almost all such tiles). No per-token resolution, the depth a constexpr (unrolled residuals), K
+    parameters as 32-bit pair words, V group parameters selected in registers, and rows stored
+    whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
+    _reconstruct: the two kernels write identical values. A tile the test refuses is read here too, by _read_tile on SPLIT sub-tiles of BP / SPLIT positions in
+    turn (the generic kernel's tile), so no second launch is needed (the in-flight tensors and
+    strides are read only then)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2) * BP + tl.arange(0, BP)
+    tm = t < P
+    p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
+    if _bulk_read_tile(p, tm, flushed + b * R, lim + b, DEPTH, BP, RP):
+        _write_bulk_tile(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                         k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                         rows, res_layout, out_k, out_v, p.to(tl.int32), t, b, h, P, B, H, S, NB, CAPT,
+                         D, G, BP, CD, DEPTH)
+    else:
+        BS: tl.constexpr = BP // SPLIT
+        for sub in range(SPLIT):
+            ts = tl.program_id(2) * BP + sub * BS + tl.arange(0, BS)
+            tms = ts < P
+            ps = tl.load(positions + b * sp_b + h * sp_h + ts * sp_t, mask=tms, other=-1)
+            _read_tile(ps, ts, tms, b, h, DEPTH,
+                       k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                       k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                       k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                       out_k, out_v, in_positions, k_in, v_in,
+                       sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+                       P, Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP)
+
+
+@triton.jit
+def _attend_tile(qe, qo, ke, ko, ve, vo, valid, scale):
+    """One query row against a tile of keys (even / odd halves [BP, D/2], valid [BP]): the tile's
+    softmax partial -- the score maximum (-inf with no valid key), the sum of exp(score - max)
+    and the exp-weighted V halves [D/2]."""
+    s = tl.where(valid, (tl.sum(ke * qe, 1) + tl.sum(ko * qo, 1)) * scale, float("-inf"))
+    m = tl.max(s, 0)
+    pr = tl.exp(s - tl.where(m > float("-inf"), m, 0.0))
+    return m, tl.sum(pr, 0), tl.sum(pr[:, None] * ve, 0), tl.sum(pr[:, None] * vo, 0)
+
+
+@triton.jit
+def _read_attend_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    q, keys, count, in_positions, k_in, v_in, part_m, part_l, part_acc,
+    sq_b, sq_h, sq_d, skey_b, skey_h, skey_t, sc_b, sc_h,
+    sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+    scale, P, Ti, NT, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """Sparse decode's correction for one query row per kv head (row b * H + h), read and attended
+    in one pass: program z (counted from the last tile, so that the row's per-token tile,
+    which holds its highest positions, starts in the first wave instead of the last) takes the
+    selected keys [z * BP, (z + 1) * BP) of the row (keys
+    [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
+    packed_read does (a tile _bulk_read_tile's rule admits: _bulk_k / _bulk_v, no per-token state;
+    any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included; the bulk bound
+    takes the row's first in-flight position from in_positions, no launch of its own) and writes the
+    tile's softmax partial (max, sum, weighted V) for _correction_combine_kernel. The values
+    attended are packed_read's, rounded to the compute dtype: the correction over the BF16 copy
+    without the copy (its write and its re-read)."""
+    HD: tl.constexpr = D // 2
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    z = tl.program_id(2)
+    z = NT - 1 - z
+    out = (b * H + h) * NT + z
+    i = tl.arange(0, NP)
+    cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
+    if z * BP >= cnt:  # past the row's selection: an empty partial
+        tl.store(part_m + out, float("-inf"))
+        tl.store(part_l + out, 0.0)
+        tl.store(part_acc + out * D + 2 * i, tl.zeros([NP], tl.float32), mask=i < HD)
+        tl.store(part_acc + out * D + 2 * i + 1, tl.zeros([NP], tl.float32), mask=i < HD)
+        return
+    qn = q + b * sq_b + h * sq_h + 2 * i * sq_d
+    qe = tl.load(qn, mask=i < HD, other=0.0).to(tl.float32)[None, :]
+    qo = tl.load(qn + sq_d, mask=i < HD, other=0.0).to(tl.float32)[None, :]
+    kr = keys + b * skey_b + h * skey_h
+    t = z * BP + tl.arange(0, BP)
+    valid = t < cnt
+    p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
+    fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
+    lim = tl.zeros([], tl.int64) + S  # the row's first in-flight position (common.first_inflight)
+    u = 0
+    while u < Ti:
+        ipu = tl.load(in_positions + b * sip_b + u * sip_t)
+        lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
+        u += 1
+    p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
+    p_hi = tl.max(tl.where(valid, p, -1), 0)
+    if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim):  # the flushed bulk (_bulk_read_tile)
+        pc = tl.where(valid, p, 0).to(tl.int32)
+        kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
+        kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+            b * H + h, S, NB, CAPT, D, G,
+        )
+        ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
+                         B, H, S, NB, D, DEPTH)
+        ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G,
+                         BP, DEPTH)
+        m_i, l_i, acc_e, acc_o = _attend_tile(qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD),
+                                              _round_to(vo, CD), valid, scale)
+    else:  # the ring, the in-flight tokens, an unflushed depth: per-token resolution, sub-tile by sub-tile
+        BS: tl.constexpr = BP // SPLIT
+        m_i = tl.full([], float("-inf"), tl.float32)
+        l_i = tl.zeros([], tl.float32)
+        acc_e = tl.zeros([NP], tl.float32)
+        acc_o = tl.zeros([NP], tl.float32)
+        for sub in range(SPLIT):
+            ts = z * BP + sub * BS + tl.arange(0, BS)
+            vs = ts < cnt
+            ps = tl.load(kr + ts * skey_t, mask=vs, other=-1).to(tl.int64)
+            ke, ko, ve, vo = _resolve_tile(
+                ps, vs, b, h, DEPTH,
+                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                in_positions, k_in, v_in,
+                sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
+                Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP,
+            )
+            m_s, l_s, a_e, a_o = _attend_tile(qe, qo, ke, ko, ve, vo, vs, scale)
+            m_new = tl.maximum(m_i, m_s)
+            m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+            w_old = tl.exp(m_i - m_use)
+            w_new = tl.exp(m_s - m_use)
+            l_i = l_i * w_old + l_s * w_new
+            acc_e = acc_e * w_old + a_e * w_new
+            acc_o = acc_o * w_old + a_o * w_new
+            m_i = m_new
+    tl.store(part_m + out, m_i)
+    tl.store(part_l + out, l_i)
+    tl.store(part_acc + out * D + 2 * i, acc_e, mask=i < HD)
+    tl.store(part_acc + out * D + 2 * i + 1, acc_o, mask=i < HD)
+
+
+# ------------------------------------------------------------------------------------------------
+# launchers
+# ------------------------------------------------------------------------------------------------
+
+
+# packed_read: tiles below the flushed boundaries take _read_bulk_kernel's path (no per-token
+# resolution), the others _read_tile on generic_split sub-tiles in the same launch (8 positions:
+# 158 registers at depth 3; 4x32K window read 24 us against 102 us at 32 positions). block_p:
+# positions per program (None: 32 at D <= 128, 16 above). attend_block_p: keys per program of the
+# read-and-attend correction by depth (the last entry for deeper ones; H200, 32K, per site: 32 at
+# depth 2 58.8 / 149.0 us at B1 / B4 against 71.5 / 177.1 at 16; 16 at depth 3). window_block_p:
+# positions per program of the code-domain reference's window read (all per-token tiles), one
+# sub-tile each (8.7 / 21.3 us against 15.6 / 25.5 at B1 / B4 x 32K).
+PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_block_p": (32, 32, 32, 16),
+               "window_block_p": 8}
+
+
+def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
+                       bulk: bool | None = None, block_p: int | None = None, split: int | None = None) -> None:
+    """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
+    out_k/out_v [B, H, P, D] (contiguous). ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v)
+    of this step's tokens: a position equal to one of them reads its row (see packed_ops).
+    A power-of-two head_dim with an even group reads in one launch of _read_bulk_kernel (tiles below
+    the flushed boundaries without per-token resolution, the others on ``split`` sub-tiles, default
+    PACKED_READ["generic_split"]); other shapes take _read_kernel. ``bulk`` False: _read_kernel for
+    any shape (tests compare the two). ``block_p``: positions per program (tests)."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    Bc, P = positions.shape[0], positions.shape[-1]
+    sp_b, sp_h, sp_t = (positions.stride(0), 0, positions.stride(1)) if positions.dim() == 2 else positions.stride()
+    if P == 0 or Bc == 0:
+        return
+    np_ = next_pow2(D // 2)
+    interp = common.cpu_semantics(positions.device)
+    bp = int(PACKED_READ["block_p"] or (32 if np_ <= 64 else 16))
+    if interp:
+        bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
+    bp = block_p or bp
+    grid = (Bc, H, triton.cdiv(P, bp))
+    bulk_fits = not (D & (D - 1) or G % 2)  # other shapes: the generic kernel reads everything
+    if bulk is None:
+        bulk = bulk_fits
+    elif bulk and not bulk_fits:
+        raise ValueError(f"the bulk read needs a power-of-two head_dim and an even group, got {D}, {G}")
+    cd = _CDTYPE_CODE[out_k.dtype]
+    if inflight is None:
+        ip = positions.new_empty(Bc, 0)
+        k_in = v_in = out_k.new_empty(Bc, H, 0, D)
+    else:
+        ip, k_in, v_in = inflight
+    lim = positions  # read only by the bulk tile test
+    if bulk:  # below the first in-flight position a tile needs no overlay (decode: its tokens are past every stored one)
+        lim = first_inflight(ip, S)
+    # the generic kernel resolves every token with all residual depths in flight at once (latency-
+    # bound: see _reconstruct): tiles of bp / generic_split positions keep it within the registers
+    # (sm_90, D 128, depth 3: 228 registers at 16, 254 spill ops at 32; scripts/kernel_report.py)
+    split = max(1, int(split or PACKED_READ["generic_split"]))
+    if interp:
+        split = min(split, 2)  # the interpreter's cost is per program and operation: fewer, larger tiles
+    bpg = max(1, bp // split)
+    if bp % bpg:
+        raise ValueError(f"generic_split {split} must divide the read tile {bp}")
+    if bulk:
+        wrap(_read_bulk_kernel)[grid](
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+            flushed, rows, res_layout, positions, out_k, out_v, lim,
+            sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
+            k_tail, v_tail, depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1],
+            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, NP=np_, SPLIT=bp // bpg,
+            num_warps=PACKED_READ["num_warps"],
+        )
+        return
+    wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bpg))](
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        positions, out_k, out_v, lim, ip, k_in, v_in,
+        sp_b, sp_h, sp_t, *ip.stride(), *k_in.stride(), *v_in.stride(),
+        P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
+        D=D, G=G, NP=np_, BP=bpg, CD=cd, RP=next_pow2(R), num_warps=4,
+    )
+
+
+def read_attend_fits(q, tensors) -> bool:
+    """Whether launch_packed_read_attend takes a correction: one query row per kv head and a
+    power-of-two head_dim with an even group (the bulk read's layout)."""
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    return q.shape[1] == H and q.shape[2] == 1 and q.shape[3] == D and not (D & (D - 1) or G % 2)
+
+
+def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float, *, inflight, wrap=no_wrap,
+                              block_p: int | None = None) -> tuple:
+    """Sparse decode's correction partials at ``depth`` for q [B, H, 1, D] (one query row per kv
+    head) over the selected keys [B, H, 1, P] (global positions, the first count [B, H, 1] valid)
+    of the packed history, the step's in-flight tokens ``inflight`` = (positions [B, Ti], k, v)
+    included: _read_attend_kernel, one program per tile of ``block_p`` keys (default
+    PACKED_READ["attend_block_p"] at this depth). Returns (part_m, part_l [B * H, NT], part_acc [B * H, NT, D],
+    NT) in _correction_combine_kernel's layout."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    if not read_attend_fits(q, tensors):
+        raise ValueError(f"the read-and-attend correction needs q [B, {H}, 1, {D}] (one query row per kv head) and a "
+                         f"power-of-two head_dim with an even group; got q {tuple(q.shape)}, head_dim {D}, group {G}")
+    Bc, P = q.shape[0], keys.shape[-1]
+    np_ = next_pow2(D // 2)
+    by_depth = PACKED_READ["attend_block_p"]
+    bp = block_p or by_depth[min(depth, len(by_depth) - 1)]
+    if bp < 1 or bp & (bp - 1):
+        raise ValueError(f"the read-and-attend tile must be a power of two, got {bp} keys")
+    if common.cpu_semantics(q.device) and not block_p:
+        bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
+    split = max(1, min(bp, int(PACKED_READ["generic_split"])))
+    nt = max(1, triton.cdiv(P, bp))
+    dev = q.device
+    part_m = torch.empty(Bc * H, nt, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=dev)
+    ip, k_in, v_in = inflight  # the kernel takes the first in-flight position of its row itself
+    wrap(_read_attend_kernel)[(Bc, H, nt)](
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        q, keys, count, ip, k_in, v_in, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), q.stride(3), keys.stride(0), keys.stride(1), keys.stride(3),
+        count.stride(0), count.stride(1),
+        *ip.stride(), *k_in.stride(), *v_in.stride(),
+        float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
+        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
+        num_warps=PACKED_READ["num_warps"],
+    )
+    return part_m, part_l, part_acc, nt

@@ -1,0 +1,291 @@
+"""Triton kernels of ``flashloop::packed_kv_write`` (conventions in packed_codec.py).
+
+- ``_write_flush_kernel`` [B, H, ranges]: quantize the whole G-token blocks a write moves out of
+  the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1);
+  values of earlier calls come from the ring, values of this call from k/v (at p - first when the
+  call's positions are consecutive, else found by binary search). Each range of blocks first
+  counts the residual rows allocated before it. Writes the position -> row map (h == 0) and the
+  new counters to a scratch.
+- ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
+  ring; depth_count and the counters are committed (separate launch: the flush must read the ring
+  before it is overwritten).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
+from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _codes, _geometry, _params, _reconstruct
+
+__all__ = ["launch_packed_kv_write", "PACKED_WRITE"]
+
+
+@triton.jit
+def _group_active(s, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S,
+                  G: tl.constexpr, NSEARCH: tl.constexpr):
+    """The G positions p of the group starting at s: each one's index in this call's positions
+    (idx, valid where inb), whether the call writes it (in_call), and whether the flush stores it
+    (act: every position at depth 0; at depth d > 0 those written now or written at a later depth
+    before, i.e. the tokens with a residual at d)."""
+    p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
+    if consecutive:
+        lo = p - first
+    else:
+        # lower bound of p in this row's running-max positions (non-decreasing)
+        lo = tl.zeros([G], tl.int64)
+        hi = tl.zeros([G], tl.int64) + Tn
+        for _ in tl.static_range(NSEARCH):
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
+            right = open_ & (kv < p)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(open_ & (kv >= p), mid, hi)
+    inb = (lo >= 0) & (lo < Tn)
+    idx = tl.where(inb, lo, 0)
+    cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
+    in_call = inb & (cp == p)
+    if depth == 0:
+        act = p >= 0
+    else:
+        dcv = tl.load(depth_count + b * S + p).to(tl.int32)
+        act = in_call | (dcv > depth)
+    return p, idx, inb, in_call, act
+
+
+@triton.jit(do_not_specialize=["depth_arg"])
+def _write_flush_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
+    k, v, positions, skey, contig, scratch,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
+    Tn, depth_arg, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, NCH: tl.constexpr = 1,
+    RP: tl.constexpr = 4, ONE_TOKEN: tl.constexpr = False,
+):
+    depth = depth_arg - _DEPTH_BIAS
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // G
+    HG: tl.constexpr = G // 2
+    RING: tl.constexpr = 2 * G
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    bh = b * H + h
+    F = tl.load(flushed + b * R + depth)
+    if depth == 0:
+        # length of the row = max valid position + 1 of this call
+        lmax = tl.full([BT], -1, tl.int64)
+        t0 = 0
+        while t0 < Tn:
+            t = t0 + tl.arange(0, BT)
+            pt = tl.load(positions + b * sp_b + t * sp_t, mask=t < Tn, other=-1)
+            lmax = tl.maximum(lmax, pt)
+            t0 += BT
+        L = tl.max(lmax, 0) + 1
+        target = tl.where(L >= G, ((L - G) // G) * G, 0).to(tl.int32)
+    else:
+        # up to where the previous depth stands (depth 0 set it from the row's full length)
+        target = tl.load(flushed + b * R + depth - 1)
+    T_new = tl.minimum(tl.maximum(F, target), S)
+    row = tl.load(row_count + b * R + depth)
+    off = tl.load(res_layout + depth)
+    cap = tl.load(res_layout + R + depth)
+
+    # the call's positions are first, first + 1, ... (a prompt or a chunk): index = p - first,
+    # no binary search (a chain of NSEARCH dependent loads per group). One token (decode) is
+    # always such a run: a padded row (first = -1) puts every p >= 0 out of the call's range
+    if ONE_TOKEN:
+        consecutive = tl.full([], 1, tl.int1)
+    else:
+        consecutive = tl.load(contig + b) != 0
+    first = tl.load(positions + b * sp_b, mask=Tn > 0, other=-1)
+    # NCH programs per (b, h) split the row's groups into contiguous ranges; each first counts
+    # the rows the groups before its range allocate (depth > 0 allocates residual rows in order)
+    n_groups = (T_new - F + G - 1) // G  # F, T_new: multiples of G (max_seq is one)
+    c = tl.program_id(2)
+    g_lo = (c * n_groups) // NCH
+    s = F + g_lo * G
+    s_end = F + ((c + 1) * n_groups) // NCH * G
+    if NCH > 1:
+        s2 = F
+        while s2 < s:
+            _p, _idx, _inb, _in_call, act = _group_active(
+                s2, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S, G, NSEARCH,
+            )
+            row += tl.sum(act.to(tl.int32), 0)
+            s2 += G
+    while s < s_end:
+        p, idx, inb, in_call, act = _group_active(
+            s, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S, G, NSEARCH,
+        )
+        n_act = tl.sum(act.to(tl.int32), 0)
+        if n_act > 0:
+            local = row + tl.cumsum(act.to(tl.int32), 0) - 1
+            fits = act & (local < cap)
+            if depth > 0:
+                tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
+                tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
+            grow = tl.where(fits, off + local, 0).to(tl.int64)
+            blk = s // G
+            for g in tl.static_range(NG):
+                i = g * HG + tl.arange(0, HG)
+                mc = (in_call & act)[:, None]
+                mr = ((in_call == 0) & act)[:, None]
+                kc = (b * sk_b + h * sk_h + idx * sk_t)[:, None] + (2 * i)[None, :] * sk_d
+                vc = (b * sv_b + h * sv_h + idx * sv_t)[:, None] + (2 * i)[None, :] * sv_d
+                tp = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D + 2 * i[None, :]
+                xke = tl.where(mc, tl.load(k + kc, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(k_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                xko = tl.where(mc, tl.load(k + kc + sk_d, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(k_tail + tp + 1, mask=mr, other=0.0).to(tl.float32))
+                xve = tl.where(mc, tl.load(v + vc, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(v_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                xvo = tl.where(mc, tl.load(v + vc + sv_d, mask=mc, other=0.0).to(tl.float32),
+                               tl.load(v_tail + tp + 1, mask=mr, other=0.0).to(tl.float32))
+                if depth > 0:
+                    rke, rko, rve, rvo, _ok = _reconstruct(
+                        p, act, b, h, depth - 1,
+                        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                        B, H, S, NB, CAPT, R, D, G, g * HG, HG, True, RP,
+                    )
+                    xke = xke - rke
+                    xko = xko - rko
+                    xve = xve - rve
+                    xvo = xvo - rvo
+                am = act[:, None]
+                # K: one group per channel over the block's (active) rows
+                mne, sce = _params(tl.min(tl.where(am, xke, float("inf")), 0), tl.max(tl.where(am, xke, float("-inf")), 0))
+                mno, sco = _params(tl.min(tl.where(am, xko, float("inf")), 0), tl.max(tl.where(am, xko, float("-inf")), 0))
+                kbyte = (_codes(xke, mne[None, :], sce[None, :]) | (_codes(xko, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
+                # V: one group per row over these G channels
+                vlo = tl.minimum(tl.min(xve, 1), tl.min(xvo, 1))
+                vhi = tl.maximum(tl.max(xve, 1), tl.max(xvo, 1))
+                vmn, vsc = _params(vlo, vhi)
+                vbyte = (_codes(xve, vmn[:, None], vsc[:, None]) | (_codes(xvo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                if depth == 0:
+                    kpp = (bh * NB + blk) * D + 2 * i
+                    tl.store(k_base_min + kpp, mne)
+                    tl.store(k_base_scale + kpp, sce)
+                    tl.store(k_base_min + kpp + 1, mno)
+                    tl.store(k_base_scale + kpp + 1, sco)
+                    cpos = (bh * S + p)[:, None] * HD + i[None, :]
+                    tl.store(k_base + cpos, kbyte)
+                    tl.store(v_base + cpos, vbyte)
+                    vpp = (bh * S + p) * NG + g
+                    tl.store(v_base_min + vpp, vmn)
+                    tl.store(v_base_scale + vpp, vsc)
+                else:
+                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
+                    tl.store(k_res_min + kpp, mne)
+                    tl.store(k_res_scale + kpp, sce)
+                    tl.store(k_res_min + kpp + 1, mno)
+                    tl.store(k_res_scale + kpp + 1, sco)
+                    fm = fits[:, None]
+                    cpos = (bh * CAPT + grow)[:, None] * HD + i[None, :]
+                    tl.store(k_res + cpos, kbyte, mask=fm)
+                    tl.store(v_res + cpos, vbyte, mask=fm)
+                    vpp = (bh * CAPT + grow) * NG + g
+                    tl.store(v_res_min + vpp, vmn, mask=fits)
+                    tl.store(v_res_scale + vpp, vsc, mask=fits)
+            row += n_act
+        s += G
+    if (h == 0) & (c == NCH - 1):  # the last range's count is the row's total
+        tl.store(scratch + b * 2, T_new)
+        tl.store(scratch + b * 2 + 1, row)
+
+
+@triton.jit(do_not_specialize=["depth_arg"])
+def _write_tail_kernel(
+    k_tail, v_tail, flushed, row_count, depth_count,
+    k, v, positions, scratch,
+    sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
+    Tn, depth_arg, H, S, R,
+    D: tl.constexpr, G: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
+):
+    depth = depth_arg - _DEPTH_BIAS
+    RING: tl.constexpr = 2 * G
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    tb = tl.program_id(2)
+    T_new = tl.load(scratch + b * 2)
+    t = tb * BT + tl.arange(0, BT)
+    tm = t < Tn
+    p = tl.load(positions + b * sp_b + t * sp_t, mask=tm, other=-1)
+    valid = tm & (p >= 0)
+    pc = tl.where(valid, p, 0)
+    keep = valid & (pc >= T_new)
+    c = tl.arange(0, DP)
+    m2 = keep[:, None] & (c < D)[None, :]
+    dst = (((b * R + depth) * H + h) * RING + pc % RING)[:, None] * D + c[None, :]
+    xk = tl.load(k + (b * sk_b + h * sk_h + t * sk_t)[:, None] + c[None, :] * sk_d, mask=m2, other=0.0)
+    tl.store(k_tail + dst, xk, mask=m2)
+    xv = tl.load(v + (b * sv_b + h * sv_h + t * sv_t)[:, None] + c[None, :] * sv_d, mask=m2, other=0.0)
+    tl.store(v_tail + dst, xv, mask=m2)
+    if h == 0:
+        tl.store(depth_count + b * S + pc, (tl.zeros([BT], tl.int32) + (depth + 1)).to(tl.uint8), mask=valid)
+        if tb == 0:
+            tl.store(flushed + b * R + depth, T_new)
+            tl.store(row_count + b * R + depth, tl.load(scratch + b * 2 + 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# launcher
+# ------------------------------------------------------------------------------------------------
+
+
+# Flush programs per (batch, head), each a contiguous range of the row's groups: 16 is the best of
+# bench_packed_prefill --sweep on the H200 (loop-2 write of a 4K / 8K prompt: 0.76 / 1.43 ms; 1
+# chunk 3.74 / 7.19, 64 chunks 1.11 / 1.58).
+PACKED_WRITE = {"chunks": 16}
+
+
+def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
+    """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
+    ``chunks``: flush programs per (batch, head) (default PACKED_WRITE["chunks"])."""
+    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    Bc, _, Tn, _ = k.shape
+    if Tn == 0 and depth == 0:
+        return
+    dev = k.device
+    scratch = torch.empty(Bc, 2, dtype=torch.int32, device=dev)
+    one_token = isinstance(Tn, int) and Tn == 1
+    if one_token:  # decode: no search keys and no run test (two small launches per write, ~2 us)
+        skey = contig = positions
+    elif Tn:
+        skey = torch.cummax(positions, dim=1).values.contiguous()
+        first = positions[:, :1]
+        steps = torch.arange(Tn, device=dev, dtype=positions.dtype)
+        contig = ((positions == first + steps).all(1) & (first >= 0).all(1)).to(torch.int32)
+    else:
+        skey = torch.zeros(Bc, 1, dtype=torch.int64, device=dev)
+        contig = torch.zeros(Bc, dtype=torch.int32, device=dev)
+    # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
+    # traced by Inductor) must not be specialized: bound it by the static context instead
+    nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
+    chunks = max(1, int(PACKED_WRITE["chunks"] if chunks is None else chunks))
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](
+        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+        k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
+        k, v, positions, skey, contig, scratch,
+        *k.stride(), *v.stride(), *positions.stride(),
+        Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
+        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, RP=next_pow2(R), ONE_TOKEN=one_token, num_warps=8,
+    )
+    bt = 32
+    wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
+        k_tail, v_tail, flushed, row_count, depth_count,
+        k, v, positions, scratch,
+        *k.stride(), *v.stride(), *positions.stride(),
+        Tn, depth + DEPTH_BIAS, H, S, R,
+        D=D, G=G, DP=next_pow2(D), BT=bt, num_warps=4,
+    )
