@@ -197,8 +197,8 @@ class Compilation:
     position_attention: prefill attention masked by position (SDPA with a boolean mask over the
         whole cache) becomes flashloop.position_attention, which skips the keys after a query
         tile's last position (passes/position_attention.py). Exact; 1x32K prefill 3343 -> 1593 ms
-        (dense), 1862 -> 968 ms (token-sparse) on the H200. Off by default: with every feature off
-        the graph stays untouched (docs/DESIGN.md says why).
+        (dense), 1862 -> 968 ms (token-sparse) on the H200. Off by default: the pass needs an in-place
+        cache and a position mask, which a features-off compile of any model need not have.
     fuse_projections: linears sharing an input (Q/K/V, gate/up) become one GEMM over weights
         concatenated at compile time (passes/fuse_projections.py). Exact; in every configuration,
         features off included. Off only to debug or to measure the fusion.

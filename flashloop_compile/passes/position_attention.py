@@ -9,7 +9,7 @@ from the positions: keys ``j <= q_pos`` only, key tiles past a query tile's last
 loaded (11.4 ms there).
 
 This is a compilation option, not a FlashLoop feature (``compilation.position_attention``, off
-by default so that a features-off compile stays untouched; the benchmarks turn it on in every
+by default: it needs an in-place cache and a position mask; the benchmarks turn it on in every
 config: a 1x32K dense prefill 3343 -> 1593 ms, ``benchmarks/RESULTS.md``): it changes how attention is computed,
 not what. It runs after token-sparse prefill (which already attends its sparse loops
 this way) and before KV quantization (which replaces either form by ``packed_attention``).
