@@ -179,8 +179,8 @@ def propagate_fake_values(gm: fx.GraphModule) -> None:
 
     # Dynamo computes its example values under the Python dispatcher (SymInt-aware Python
     # decompositions of composite ops); without it, the C++ composite `linear` on a 3-D CUDA
-    # input reads `sizes()` and specializes the prompt length (the engine's GPU failure,
-    # session 4: F.linear(FakeTensor(3, s2, 128), W) fixed s2 to 190).
+    # input reads `sizes()` and specializes the prompt length (F.linear(FakeTensor(3, s2, 128), W)
+    # fixed s2 to 190).
     from torch._dispatch.python import enable_python_dispatcher
 
     with mode, enable_python_dispatcher():
