@@ -565,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     text = g.add_mutually_exclusive_group()
     text.add_argument("--prompt", help="text to continue (default: a piece of Python)")
     text.add_argument("--prompt-len", type=_positive_int, help="a synthetic prompt of this many random tokens instead of text")
-    g.add_argument("--new-tokens", type=_positive_int, default=32)
+    g.add_argument("--new-tokens", type=_positive_int, default=20)
     g.add_argument("--engine", choices=["reference", "compiled"], default="reference",
                    help="reference (default): the explicit eager FlashLoop, no compile; compiled: backend='flashloop' "
                         "(+ CUDA graphs on a GPU), compiled first (minutes on CPU)")
