@@ -4,21 +4,42 @@ cache with these tensors; the ops and kernels read them by these names. No Trito
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["LAYER_TENSOR_NAMES", "MODEL_TENSOR_NAMES", "CACHE_NAMES", "PackedCache"]
+__all__ = ["PackedTensors", "LAYER_TENSOR_NAMES", "MODEL_TENSOR_NAMES", "CACHE_NAMES", "PackedCache"]
 
-# one layer's tensors (shapes in runtime/packed_kv.py), then the model's
-LAYER_TENSOR_NAMES = (
-    "k_base", "k_base_min", "k_base_scale", "v_base", "v_base_min", "v_base_scale",
-    "k_res", "k_res_min", "k_res_scale", "v_res", "v_res_min", "v_res_scale",
-    "k_tail", "v_tail", "flushed", "row_count",
-)
-MODEL_TENSOR_NAMES = ("rows", "depth_count", "res_layout", "overflow")
-CACHE_NAMES = LAYER_TENSOR_NAMES + MODEL_TENSOR_NAMES
+class PackedTensors(NamedTuple):
+    """Named view of the packed cache's tensors in the ops' order: ``PackedTensors(*cache)``, then
+    ``c.k_tail``. One layer's tensors (shapes in runtime/packed_kv.py), then the model's."""
+
+    k_base: Tensor
+    k_base_min: Tensor
+    k_base_scale: Tensor
+    v_base: Tensor
+    v_base_min: Tensor
+    v_base_scale: Tensor
+    k_res: Tensor
+    k_res_min: Tensor
+    k_res_scale: Tensor
+    v_res: Tensor
+    v_res_min: Tensor
+    v_res_scale: Tensor
+    k_tail: Tensor
+    v_tail: Tensor
+    flushed: Tensor
+    row_count: Tensor
+    rows: Tensor
+    depth_count: Tensor
+    res_layout: Tensor
+    overflow: Tensor
+
+
+CACHE_NAMES = PackedTensors._fields
+LAYER_TENSOR_NAMES = CACHE_NAMES[:16]
+MODEL_TENSOR_NAMES = CACHE_NAMES[16:]
 
 
 class PackedCache(Protocol):

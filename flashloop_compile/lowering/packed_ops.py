@@ -62,7 +62,7 @@ from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
 from flashloop_compile.lowering.ops import _correction_attention_aten, _reference_attention_aten, reference_fake
-from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache
+from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache, PackedTensors
 
 __all__ = [
     "packed_kv_write",
@@ -159,7 +159,8 @@ def _write_fake(*args):
     *cache, k, v, positions, depth = args
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     _check_depth(depth, R)
-    cdt, dev = cache[12].dtype, cache[0].device
+    c = PackedTensors(*cache)
+    cdt, dev = c.k_tail.dtype, c.k_base.device
     _check_tokens("k", k, B, H, D, cdt, dev)
     _check_tokens("v", v, B, H, D, cdt, dev)
     torch._check(k.shape == v.shape, lambda: f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -171,7 +172,8 @@ def _read_fake(*args):
     *cache, positions, depth, inflight_positions, k_inflight, v_inflight = args
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     _check_depth(depth, R)
-    cdt, dev = cache[12].dtype, cache[0].device
+    c = PackedTensors(*cache)
+    cdt, dev = c.k_tail.dtype, c.k_base.device
     _check_tokens("k_inflight", k_inflight, B, H, D, cdt, dev)
     _check_tokens("v_inflight", v_inflight, B, H, D, cdt, dev)
     torch._check(k_inflight.shape == v_inflight.shape, lambda: "k_inflight and v_inflight shapes differ")
@@ -185,8 +187,7 @@ def _read_fake(*args):
     if positions.dim() == 3:
         torch._check(positions.shape[1] == H, lambda: f"per-head positions need {H} kv heads, got {positions.shape[1]}")
     shape = (positions.shape[0], H, positions.shape[-1], D)
-    cdt = cache[12].dtype
-    return cache[0].new_empty(shape, dtype=cdt), cache[0].new_empty(shape, dtype=cdt)
+    return c.k_base.new_empty(shape, dtype=cdt), c.k_base.new_empty(shape, dtype=cdt)
 
 
 def _reference_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
@@ -202,7 +203,8 @@ def _attention_fake(q, k_inflight, v_inflight, q_positions, inflight_positions, 
     *cache, scale = rest
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     _check_depth(depth, R)
-    cdt, dev = cache[12].dtype, cache[0].device
+    c = PackedTensors(*cache)
+    cdt, dev = c.k_tail.dtype, c.k_base.device
     torch._check(q.dim() == 4, lambda: f"q must be [B, Hq, T, D], got {tuple(q.shape)}")
     torch._check(q.dtype == cdt and q.shape[3] == D, lambda: f"q must be {cdt} with head_dim {D}, got {q.dtype} {tuple(q.shape)}")
     torch._check(q.shape[1] % H == 0, lambda: f"query heads {q.shape[1]} must be a multiple of kv heads {H}")
@@ -219,7 +221,8 @@ def _correction_fake(q, keys, count, mass, o_ref, c_ref, inflight_positions, k_i
     *cache, scale = rest
     B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
     _check_depth(depth, R)
-    cdt, dev = cache[12].dtype, cache[0].device
+    c = PackedTensors(*cache)
+    cdt, dev = c.k_tail.dtype, c.k_base.device
     torch._check(q.dim() == 4 and q.dtype == cdt and q.shape[3] == D and q.shape[0] <= B,
                  lambda: f"q must be [B <= {B}, Hq, T, {D}] {cdt}, got {q.dtype} {tuple(q.shape)}")
     torch._check(q.shape[1] % H == 0, lambda: f"query heads {q.shape[1]} must be a multiple of kv heads {H}")
@@ -389,7 +392,7 @@ def packed_reference_attention_aten(q, inflight_positions, k_inflight, v_infligh
     (``reference_attention``) over the whole history at ``depth`` as ``packed_read`` returns it
     (positions 0..S-1, this step's tokens in flight)."""
     *cache, mask, scale, fractions, capacities = rest
-    grid = torch.arange(cache[0].shape[2], device=q.device)[None].expand(q.shape[0], -1)
+    grid = torch.arange(PackedTensors(*cache).k_base.shape[2], device=q.device)[None].expand(q.shape[0], -1)
     k, v = packed_read_aten(*cache, grid, depth, inflight_positions, k_inflight, v_inflight)
     return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
 
@@ -458,7 +461,7 @@ def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, infligh
     """The correction over the packed history: packed_read of the selected keys, then
     correction_attention over that compact read."""
     *cache, scale = rest
-    kv_heads = cache[0].shape[1]
+    kv_heads = PackedTensors(*cache).k_base.shape[1]
     k_sel, v_sel = packed_read_aten(*cache, selected_positions(keys, count, kv_heads), depth, inflight_positions,
                                     k_inflight, v_inflight)
     return _correction_attention_aten(q, k_sel, v_sel, local_keys(keys, kv_heads), count, mass, o_ref, c_ref, scale)
@@ -482,7 +485,8 @@ def _read_window(cache: tuple, depth: int, inflight: tuple, batch: int) -> tuple
     from flashloop_compile.lowering.kernels.reference_attention import linear_window
 
     lo, window = linear_window(cache, depth, inflight[0])
-    k_base, k_tail = cache[0], cache[12]
+    c = PackedTensors(*cache)
+    k_base, k_tail = c.k_base, c.k_tail
     kw = torch.empty(batch, k_base.shape[1], window.shape[1], 2 * k_base.shape[3], dtype=k_tail.dtype,
                      device=k_base.device)
     vw = torch.empty_like(kw)

@@ -18,6 +18,7 @@ from flashloop_compile.config import ceil_fraction
 from flashloop_compile.lowering import packed_ops as P
 from flashloop_compile.lowering.kernels import packed_read as PR
 from flashloop_compile.lowering.kernels.common import first_inflight
+from flashloop_compile.lowering.packed_layout import PackedTensors
 from tests.lowering.packed_scenario import nested_residual_cache
 
 B, H, D, R, S = 2, 2, 128, 4, 256
@@ -53,7 +54,7 @@ def _case(dtype, depth: int, padded_row: bool = False, seed: int = 31):
 
 def _tile_kinds(tensors, keys, count, ip, depth: int) -> set[str]:
     """Which programs a read of TILE keys per program runs (the kernel's rule, on the host)."""
-    flushed = tensors[14]
+    flushed = PackedTensors(*tensors).flushed
     lim = first_inflight(ip, S)
     kinds = set()
     for b in range(B):
@@ -119,7 +120,7 @@ def test_an_in_flight_token_inside_the_flushed_bulk_is_read_from_flight():
     tensors, args, (ip, kd, vd) = _case(torch.float32, 2, seed=5)
     keys = args[1]
     low = int(keys[0, 1, 0, 2])
-    assert low < int(tensors[14][0].min())  # below every depth's flushed boundary of row 0
+    assert low < int(PackedTensors(*tensors).flushed[0].min())  # below every depth's flushed boundary of row 0
     ip = ip.clone()
     ip[0, 0] = low
     want = P.packed_correction_attention_aten(*args, ip, kd, vd, 2, *tensors, 0.125)

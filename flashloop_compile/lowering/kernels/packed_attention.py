@@ -17,6 +17,7 @@ from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, stored_end
 from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _flushed_min, _geometry, _reconstruct, _round_to
 from flashloop_compile.lowering.kernels.packed_decode import FAST_DECODE, _combine_kernel, _decode_bulk_kernel, decode_splits
+from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_attention", "inflight_bounds", "PACKED_PREFILL"]
 
@@ -312,9 +313,7 @@ def launch_packed_attention(
     even group takes _decode_bulk_kernel for the flushed bulk (``fast`` False: _attn_kernel alone,
     tests). ``tuning``: entries of FAST_DECODE / PACKED_PREFILL to launch with instead (tests,
     sweeps)."""
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, Hq, T, _ = q.shape
     Ti = k_inflight.shape[2]
@@ -386,10 +385,10 @@ def launch_packed_attention(
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     if fast:
         wrap(_decode_bulk_kernel)[(Bc * H, ns)](
-            q, q_positions, p0, flushed,
-            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-            rows, res_layout, part_ml, part_acc,
+            q, q_positions, p0, c.flushed,
+            c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+            c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+            c.rows, c.res_layout, part_ml, part_acc,
             q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
             B, H, S, NB, CAPT, R,
             D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, NTAIL=ntail,
@@ -398,9 +397,9 @@ def launch_packed_attention(
         grid = (Bc * H, ntail, m_tiles)  # _attn_kernel takes splits NSTORED on only: the tail and in-flight keys
     wrap(_attn_kernel)[grid](
         q, k_inflight, v_inflight, q_positions, inflight_positions, p0,
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+        c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+        c.k_tail, c.v_tail, c.flushed, c.rows, c.depth_count, c.res_layout,
         out, part_ml, part_acc, bounds,
         *q.stride(), *k_inflight.stride(), *v_inflight.stride(),
         *q_positions.stride(), *inflight_positions.stride(),

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashloop_compile.lowering.packed_layout import PackedTensors
+
 _CDTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -41,7 +43,8 @@ _DEPTH_BIAS = tl.constexpr(DEPTH_BIAS)  # the kernels' copy (Triton globals must
 
 
 def _geometry(tensors):
-    k_base, k_res, k_tail = tensors[0], tensors[6], tensors[12]
+    c = PackedTensors(*tensors)
+    k_base, k_res, k_tail = c.k_base, c.k_res, c.k_tail
     B, H, S, HD = k_base.shape
     R = k_tail.shape[1]
     G = k_tail.shape[3] // 2

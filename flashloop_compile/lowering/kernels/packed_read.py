@@ -20,6 +20,7 @@ from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2,
 from flashloop_compile.lowering.kernels.packed_codec import (
     DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _bulk_k, _bulk_v, _flushed_min, _geometry, _reconstruct, _round_to, _row_bases,
 )
+from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_read", "launch_packed_read_attend", "read_attend_fits", "PACKED_READ"]
 
@@ -345,9 +346,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
     the flushed boundaries without per-token resolution, the others on ``split`` sub-tiles, default
     PACKED_READ["generic_split"]); other shapes take _read_kernel. ``bulk`` False: _read_kernel for
     any shape (tests compare the two). ``block_p``: positions per program (tests)."""
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, P = positions.shape[0], positions.shape[-1]
     sp_b, sp_h, sp_t = (positions.stride(0), 0, positions.stride(1)) if positions.dim() == 2 else positions.stride()
@@ -385,19 +384,19 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
         raise ValueError(f"generic_split {split} must divide the read tile {bp}")
     if bulk:
         wrap(_read_bulk_kernel)[grid](
-            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-            flushed, rows, res_layout, positions, out_k, out_v, lim,
+            c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+            c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+            c.flushed, c.rows, c.res_layout, positions, out_k, out_v, lim,
             sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
-            k_tail, v_tail, depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1],
+            c.k_tail, c.v_tail, c.depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1],
             D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, NP=np_, SPLIT=bp // bpg,
             num_warps=PACKED_READ["num_warps"],
         )
         return
     wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bpg))](
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+        c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+        c.k_tail, c.v_tail, c.flushed, c.rows, c.depth_count, c.res_layout,
         positions, out_k, out_v, lim, ip, k_in, v_in,
         sp_b, sp_h, sp_t, *ip.stride(), *k_in.stride(), *v_in.stride(),
         P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
@@ -420,9 +419,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
     included: _read_attend_kernel, one program per tile of ``block_p`` keys (default
     PACKED_READ["attend_block_p"] at this depth). Returns (part_m, part_l [B * H, NT], part_acc [B * H, NT, D],
     NT) in _correction_combine_kernel's layout."""
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     if not read_attend_fits(q, tensors):
         raise ValueError(f"the read-and-attend correction needs q [B, {H}, 1, {D}] (one query row per kv head) and a "
@@ -443,15 +440,15 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
     part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=dev)
     ip, k_in, v_in = inflight  # the kernel takes the first in-flight position of its row itself
     wrap(_read_attend_kernel)[(Bc, H, nt)](
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-        k_tail, v_tail, flushed, rows, depth_count, res_layout,
+        c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+        c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+        c.k_tail, c.v_tail, c.flushed, c.rows, c.depth_count, c.res_layout,
         q, keys, count, ip, k_in, v_in, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(3), keys.stride(0), keys.stride(1), keys.stride(3),
         count.stride(0), count.stride(1),
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
+        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
         num_warps=PACKED_READ["num_warps"],
     )
     return part_m, part_l, part_acc, nt

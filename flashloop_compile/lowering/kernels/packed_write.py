@@ -19,6 +19,7 @@ import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
 from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _codes, _geometry, _params, _reconstruct
+from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_kv_write", "PACKED_WRITE"]
 
@@ -248,9 +249,7 @@ PACKED_WRITE = {"chunks": 16}
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
     """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
     ``chunks``: flush programs per (batch, head) (default PACKED_WRITE["chunks"])."""
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow) = tensors
+    c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, _, Tn, _ = k.shape
     if Tn == 0 and depth == 0:
@@ -273,9 +272,9 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
     chunks = max(1, int(PACKED_WRITE["chunks"] if chunks is None else chunks))
     wrap(_write_flush_kernel)[(Bc, H, chunks)](
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-        k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
+        c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+        c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+        c.k_tail, c.v_tail, c.flushed, c.row_count, c.rows, c.depth_count, c.res_layout, c.overflow,
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
@@ -283,7 +282,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     )
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
-        k_tail, v_tail, flushed, row_count, depth_count,
+        c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
         k, v, positions, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, H, S, R,

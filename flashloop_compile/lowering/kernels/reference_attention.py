@@ -45,6 +45,7 @@ from flashloop_compile.lowering.kernels.packed_codec import _bulk_residual_rows,
 from flashloop_compile.lowering.kernels.packed_code_domain import _code_units, _linear_scores, _row_sums, _word_groups, _word_pairs
 from flashloop_compile.lowering.kernels.selection import _prob_key, radix_digits, radix_select
 from flashloop_compile.lowering.kernels.sparse_config import KernelConfig, Launcher, cdiv, split_range
+from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["reference_attention_triton", "linear_fits", "linear_window"]
 
@@ -379,12 +380,10 @@ def _linear_args(linear):
     """The linear scores / PV kernels' packed-source arguments: ``linear`` = (cache tensors, depth, lo [B])."""
 
     tensors, depth, lo = linear
-    (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-     _k_tail, _v_tail, _flushed, _row_count, rows, _depth_count, res_layout, _overflow) = tensors
+    c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
-    args = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout, B, NB, CAPT)
+    args = (c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+            c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale, c.rows, c.res_layout, B, NB, CAPT)
     return args, lo, G, depth
 
 
@@ -406,7 +405,7 @@ def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig 
     (< 2 * tail tokens, tail = group), the in-flight tokens and both roundings. Device ops only."""
 
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
-    flushed = tensors[14]
+    flushed = PackedTensors(*tensors).flushed
     ip = inflight_positions
     bc, ti = ip.shape
     bn = sc.config_for(ip.device, config).block_n_linear
