@@ -236,33 +236,37 @@ def _attn_kernel(
         o = ((b * Hq + hq) * T + t)[:, None] * D + c[None, :]
         res = tl.where(keep[:, None], acc_w * inv[:, None], 0.0)
         tl.store(out + o, _round_to(res, CD).to(out.dtype.element_ty), mask=mmask[:, None] & cmask[None, :])
-        return
-    if z == NSTORED:
-        t0 = 0
-        while t0 < Ti:
-            tk, kpos, kvalid, kmin = _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI)
-            if kmin <= qmax:
-                km = kvalid[:, None] & imask[None, :]
-                ko_ = (b * sk_b + h * sk_h + tk * sk_t)[:, None] + (2 * i)[None, :] * sk_d
-                vo_ = (b * sv_b + h * sv_h + tk * sv_t)[:, None] + (2 * i)[None, :] * sv_d
-                ke = tl.load(k_in + ko_, mask=km, other=0.0).to(tl.float32)
-                ko = tl.load(k_in + ko_ + sk_d, mask=km, other=0.0).to(tl.float32)
-                ve = tl.load(v_in + vo_, mask=km, other=0.0).to(tl.float32)
-                vo = tl.load(v_in + vo_ + sv_d, mask=km, other=0.0).to(tl.float32)
-                m_i, l_i, acc_e, acc_o = _attend(
-                    qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
-                )
-            t0 += BNI
+    else:
+        # decode: split-K partials. In an else of the constexpr branch, not after a return: torch's
+        # wrap_triton analysis reads every store in the TTIR, and prefill passes ``out`` as part_ml
+        # and part_acc too (functionalization then clones a dynamic-shape buffer and Inductor's
+        # decomposition of the launch fails)
+        if z == NSTORED:
+            t0 = 0
+            while t0 < Ti:
+                tk, kpos, kvalid, kmin = _inflight_tile(in_positions, b, sip_b, sip_t, t0, Ti, BNI)
+                if kmin <= qmax:
+                    km = kvalid[:, None] & imask[None, :]
+                    ko_ = (b * sk_b + h * sk_h + tk * sk_t)[:, None] + (2 * i)[None, :] * sk_d
+                    vo_ = (b * sv_b + h * sv_h + tk * sv_t)[:, None] + (2 * i)[None, :] * sv_d
+                    ke = tl.load(k_in + ko_, mask=km, other=0.0).to(tl.float32)
+                    ko = tl.load(k_in + ko_ + sk_d, mask=km, other=0.0).to(tl.float32)
+                    ve = tl.load(v_in + vo_, mask=km, other=0.0).to(tl.float32)
+                    vo = tl.load(v_in + vo_ + sv_d, mask=km, other=0.0).to(tl.float32)
+                    m_i, l_i, acc_e, acc_o = _attend(
+                        qe, qo, ke, ko, ve, vo, kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
+                    )
+                t0 += BNI
 
-    orow = (b * Hq + hq) * T + t  # [BM]
-    om = mmask[:, None] & imask[None, :]
-    NSPL: tl.constexpr = NSTORED + NTAIL
-    prow = orow * NSPL + z
-    tl.store(part_ml + prow * 2, m_i, mask=mmask)
-    tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
-    o = prow[:, None] * D + 2 * i[None, :]
-    tl.store(part_acc + o, acc_e, mask=om)
-    tl.store(part_acc + o + 1, acc_o, mask=om)
+        orow = (b * Hq + hq) * T + t  # [BM]
+        om = mmask[:, None] & imask[None, :]
+        NSPL: tl.constexpr = NSTORED + NTAIL
+        prow = orow * NSPL + z
+        tl.store(part_ml + prow * 2, m_i, mask=mmask)
+        tl.store(part_ml + prow * 2 + 1, l_i, mask=mmask)
+        o = prow[:, None] * D + 2 * i[None, :]
+        tl.store(part_acc + o, acc_e, mask=om)
+        tl.store(part_acc + o + 1, acc_o, mask=om)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,39 +24,6 @@ from flashloop_compile.lowering.packed_layout import PackedTensors
 __all__ = ["launch_packed_kv_write", "PACKED_WRITE"]
 
 
-@triton.jit
-def _group_active(s, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S,
-                  G: tl.constexpr, NSEARCH: tl.constexpr):
-    """The G positions p of the group starting at s: each one's index in this call's positions
-    (idx, valid where inb), whether the call writes it (in_call), and whether the flush stores it
-    (act: every position at depth 0; at depth d > 0 those written now or written at a later depth
-    before, i.e. the tokens with a residual at d)."""
-    p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
-    if consecutive:
-        lo = p - first
-    else:
-        # lower bound of p in this row's running-max positions (non-decreasing)
-        lo = tl.zeros([G], tl.int64)
-        hi = tl.zeros([G], tl.int64) + Tn
-        for _ in tl.static_range(NSEARCH):
-            open_ = lo < hi
-            mid = (lo + hi) // 2
-            kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
-            right = open_ & (kv < p)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(open_ & (kv >= p), mid, hi)
-    inb = (lo >= 0) & (lo < Tn)
-    idx = tl.where(inb, lo, 0)
-    cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
-    in_call = inb & (cp == p)
-    if depth == 0:
-        act = p >= 0
-    else:
-        dcv = tl.load(depth_count + b * S + p).to(tl.int32)
-        act = in_call | (dcv > depth)
-    return p, idx, inb, in_call, act
-
-
 @triton.jit(do_not_specialize=["depth_arg"])
 def _write_flush_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -111,20 +78,42 @@ def _write_flush_kernel(
     g_lo = (c * n_groups) // NCH
     s = F + g_lo * G
     s_end = F + ((c + 1) * n_groups) // NCH * G
-    if NCH > 1:
-        s2 = F
-        while s2 < s:
-            _p, _idx, _inb, _in_call, act = _group_active(
-                s2, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S, G, NSEARCH,
-            )
-            row += tl.sum(act.to(tl.int32), 0)
-            s2 += G
+    # The groups before this program's range are scanned too, only to count the rows they
+    # allocate. The group's bookkeeping is written out here, not in a helper: torch's wrap_triton
+    # analysis takes a store whose address depends on a call's result as a store through every
+    # pointer the call was given (positions, skey, depth_count: then cloned on every launch).
+    g_start = s
+    s = F
     while s < s_end:
-        p, idx, inb, in_call, act = _group_active(
-            s, b, depth, Tn, first, consecutive, positions, skey, depth_count, sp_b, sp_t, S, G, NSEARCH,
-        )
+        # the G positions p of the group at s: each one's index in this call's positions (idx,
+        # valid where inb), whether the call writes it (in_call), and whether the flush stores it
+        # (act: every position at depth 0; at depth d > 0 those written now or written at a later
+        # depth before, i.e. the tokens with a residual at d)
+        p = s.to(tl.int64) + tl.arange(0, G).to(tl.int64)
+        if consecutive:
+            lo = p - first
+        else:
+            # lower bound of p in this row's running-max positions (non-decreasing)
+            lo = tl.zeros([G], tl.int64)
+            hi = tl.zeros([G], tl.int64) + Tn
+            for _ in tl.static_range(NSEARCH):
+                open_ = lo < hi
+                mid = (lo + hi) // 2
+                kv = tl.load(skey + b * Tn + mid, mask=open_ & (mid < Tn), other=0)
+                right = open_ & (kv < p)
+                lo = tl.where(right, mid + 1, lo)
+                hi = tl.where(open_ & (kv >= p), mid, hi)
+        inb = (lo >= 0) & (lo < Tn)
+        idx = tl.where(inb, lo, 0)
+        cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
+        in_call = inb & (cp == p)
+        if depth == 0:
+            act = p >= 0
+        else:
+            dcv = tl.load(depth_count + b * S + p).to(tl.int32)
+            act = in_call | (dcv > depth)
         n_act = tl.sum(act.to(tl.int32), 0)
-        if n_act > 0:
+        if (s >= g_start) & (n_act > 0):
             local = row + tl.cumsum(act.to(tl.int32), 0) - 1
             fits = act & (local < cap)
             if depth > 0:
@@ -194,7 +183,7 @@ def _write_flush_kernel(
                     vpp = (bh * CAPT + grow) * NG + g
                     tl.store(v_res_min + vpp, vmn, mask=fits)
                     tl.store(v_res_scale + vpp, vsc, mask=fits)
-            row += n_act
+        row += n_act
         s += G
     if (h == 0) & (c == NCH - 1):  # the last range's count is the row's total
         tl.store(scratch + b * 2, T_new)
