@@ -157,7 +157,7 @@ class Engine:
         """Every tensor a forward writes, by name: the dense caches that have storage
         (``dense.{loop * N + layer}.k_cache``) and the packed cache (``packed.layer{i}.{name}``,
         ``packed.{name}``). Restore them in place (``copy_``): captured graphs hold these addresses."""
-        from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
+        from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
 
         out = {}
         for i, cache in enumerate(self.model.model.kv_caches):
