@@ -145,10 +145,21 @@ def res_layout(max_seq: int, residual_capacity: Sequence[int]) -> list[list[int]
 
 
 class PackedCache(Protocol):
-    """What the op wrappers read from a packed cache (runtime.PackedKVCache)."""
+    """What the op wrappers and the passes read from a packed cache (runtime.PackedKVCache)."""
 
+    geometry: PackedGeometry
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
 
-    def op_tensors(self, layer: int) -> tuple[Tensor, ...]: ...
+    def layer_tensors(self, layer: int) -> tuple[Tensor, ...]:
+        """The layer's ``LAYER_TENSOR_NAMES`` tensors."""
+        ...
+
+    def model_tensors(self) -> tuple[Tensor, ...]:
+        """The ``MODEL_TENSOR_NAMES`` tensors, shared by every layer."""
+        ...
+
+    def op_tensors(self, layer: int) -> tuple[Tensor, ...]:
+        """layer_tensors(layer) + model_tensors(): the cache arguments of every packed op."""
+        ...
