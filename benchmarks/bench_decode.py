@@ -165,7 +165,7 @@ def fill_packed(model, context: int) -> None:
     from flashloop_compile.lowering.packed_ops import packed_kv_write
     from flashloop_compile.runtime.state import state_for_model
 
-    packed = state_for_model(model).extras["packed"]
+    packed = state_for_model(model).packed
     packed.reset()
     cfg = model.config
     b = model.model.kv_caches[0].k_cache.shape[0]

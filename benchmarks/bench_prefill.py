@@ -118,7 +118,7 @@ def main() -> None:
                         graph, graph_inputs = capture_graph(model, ids, pos, dynamic_tokens=args.dynamic)
                 fn, pass_s, report = compile_variant(graph, graph_inputs, options)
                 state = state_for_model(model)
-                packed = state.extras.get("packed") if state else None
+                packed = state.packed if state else None
 
                 def run():
                     if packed is not None:

@@ -28,8 +28,9 @@ import torch.fx as fx
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.passes.fuse_projections import FusedProjections, fuse_projections
 from flashloop_compile.passes.manager import PassManager, RewriteReport, propagate_fake_values
+from flashloop_compile.runtime.provider import ModelStateProvider
 
-__all__ = ["flashloop_backend", "make_backend", "last_report"]
+__all__ = ["flashloop_backend", "make_backend", "last_report", "pass_manager"]
 
 log = logging.getLogger("flashloop_compile")
 
@@ -39,6 +40,11 @@ _reports: list[RewriteReport] = []
 def last_report() -> RewriteReport | None:
     """What the most recent flashloop compile recognized and rewrote (diagnostics, tests)."""
     return _reports[-1] if _reports else None
+
+
+def pass_manager(config: FlashLoopConfig) -> PassManager:
+    """The passes of ``config`` with the runtime's state of each model (step plan, packed KV cache)."""
+    return PassManager(config, runtime=ModelStateProvider())
 
 
 def flashloop_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Any = None, **kwargs: Any):
@@ -63,7 +69,7 @@ def make_backend(options: Any = None, *, inner: str = "inductor"):
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopConfig, inner: str):
-    manager = PassManager(config)
+    manager = pass_manager(config)
     report = manager.run(gm, example_inputs)
     fused = fuse_projections(gm, example_inputs) if config.compilation.fuse_projections else FusedProjections()
     report.fused_linears, report.fused_gemms = fused.linears, fused.gemms

@@ -493,7 +493,8 @@ def capture_graphs(model, batch: int, prompt_len: int, max_seq: int) -> dict[str
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from flashloop_compile.passes import PassManager, recognize
+    from flashloop_compile.backend import pass_manager
+    from flashloop_compile.passes import recognize
     from flashloop_compile.runtime.memory import kv_memory
 
     if args.meta is None:  # trace on the meta device for the large presets (no weights allocated)
@@ -508,7 +509,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"model: {_model_name(args)}, {str(dtype).removeprefix('torch.')} on {_device(args)}; flashloop: {config}")
     for line in _kv_lines(kv_memory(model.config, config, args.batch, args.max_seq, dtype=dtype), dtype):
         print(f"KV cache (batch {args.batch} x {args.max_seq} positions): {line}")
-    manager = PassManager(config)
+    manager = pass_manager(config)
     for phase, gm in capture_graphs(model, args.batch, args.prompt_len, args.max_seq).items():
         structure = recognize(gm)
         print(f"\n== {phase} graph (batch {args.batch}, {args.prompt_len if phase == 'prefill' else 1} tokens) ==")

@@ -60,9 +60,9 @@ from torch import Tensor
 
 from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
-from flashloop_compile.reference.codec import PARAM_DTYPE, dequantize, quantize
+from flashloop_compile.reference.codec import dequantize, quantize
 from flashloop_compile.lowering.ops import _correction_attention_aten, _reference_attention_aten, reference_fake
-from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache, PackedTensors
+from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache, PackedGeometry, PackedTensors, tensor_specs
 
 __all__ = [
     "packed_kv_write",
@@ -102,31 +102,10 @@ def _check_cache(t: tuple[Tensor, ...]) -> tuple[int, ...]:
     G = RING // 2
     torch._check(D == 2 * HD, lambda: f"k_tail head_dim {D} != 2 * k_base's {HD}")
     torch._check(G >= 16 and D % G == 0 and S % G == 0, lambda: f"group size {G} must divide head_dim {D} and max_seq {S}")
-    NB, NG = S // G, D // G
-    CAPT = c["k_res"].shape[2]
-    cdt = kt.dtype
-    expected = {
-        "k_base": ((B, H, S, HD), torch.uint8),
-        "k_base_min": ((B, H, NB, D), PARAM_DTYPE),
-        "k_base_scale": ((B, H, NB, D), PARAM_DTYPE),
-        "v_base": ((B, H, S, HD), torch.uint8),
-        "v_base_min": ((B, H, S, NG), PARAM_DTYPE),
-        "v_base_scale": ((B, H, S, NG), PARAM_DTYPE),
-        "k_res": ((B, H, CAPT, HD), torch.uint8),
-        "k_res_min": ((R - 1, B, H, NB, D), PARAM_DTYPE),
-        "k_res_scale": ((R - 1, B, H, NB, D), PARAM_DTYPE),
-        "v_res": ((B, H, CAPT, HD), torch.uint8),
-        "v_res_min": ((B, H, CAPT, NG), PARAM_DTYPE),
-        "v_res_scale": ((B, H, CAPT, NG), PARAM_DTYPE),
-        "k_tail": ((B, R, H, RING, D), cdt),
-        "v_tail": ((B, R, H, RING, D), cdt),
-        "flushed": ((B, R), torch.int32),
-        "row_count": ((B, R), torch.int32),
-        "rows": ((R - 1, B, S), torch.int32),
-        "depth_count": ((B, S), torch.uint8),
-        "res_layout": ((2, R), torch.int32),
-        "overflow": ((1,), torch.int32),
-    }
+    NB, CAPT = S // G, c["k_res"].shape[2]
+    # the tensors' shapes do not depend on the layer count; the ring holds 2 * tail = 2 * G slots
+    geometry = PackedGeometry(num_layers=1, num_loops=R, max_batch=B, max_seq=S, kv_heads=H, head_dim=D, group_size=G, tail=G)
+    expected = {name: spec[:2] for name, spec in tensor_specs(geometry, CAPT, kt.dtype).items()}
     for name, (shape, dtype) in expected.items():
         x = c[name]
         torch._check(

@@ -30,6 +30,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
 from flashloop_compile.lowering.packed_ops import local_keys, selected_positions
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
 from flashloop_compile.passes.base import FlashLoopPass
@@ -85,9 +86,9 @@ class KVResidualQuantizationPass(FlashLoopPass):
         packed = ctx.packed_for(structure, self.config.kv_residual_quantization)
         plan = ctx.plan_for(structure)
         seq_lens = runtime_buffer(gm, "flashloop_seq_lens", plan.seq_lens)
-        model_nodes = [runtime_buffer(gm, f"flashloop_kv_{name}", t) for name, t in zip(_MODEL_NAMES, packed.model_tensors())]
+        model_nodes = [runtime_buffer(gm, f"flashloop_kv_{name}", t) for name, t in zip(MODEL_TENSOR_NAMES, packed.model_tensors())]
         layer_nodes = [
-            [runtime_buffer(gm, f"flashloop_kv_l{i}_{name}", t) for name, t in zip(_LAYER_NAMES, packed.layer_tensors(i))]
+            [runtime_buffer(gm, f"flashloop_kv_l{i}_{name}", t) for name, t in zip(LAYER_TENSOR_NAMES, packed.layer_tensors(i))]
             for i in range(structure.num_layers)
         ]
         buffers = {s.cache.k_buffer for s in structure.sites} | {s.cache.v_buffer for s in structure.sites}
@@ -155,13 +156,3 @@ class KVResidualQuantizationPass(FlashLoopPass):
             if n.op == "call_function" and n.target is operator.setitem and n.args[0] in buffers:
                 graph.erase_node(n)
         return len(structure.sites)
-
-
-_LAYER_NAMES = (
-    "k_base", "k_base_min", "k_base_scale", "v_base", "v_base_min", "v_base_scale",
-    "k_res", "k_res_min", "k_res_scale", "v_res", "v_res_min", "v_res_scale",
-    "k_tail", "v_tail", "flushed", "row_count",
-)
-_MODEL_NAMES = ("rows", "depth_count", "res_layout", "overflow")
-
-

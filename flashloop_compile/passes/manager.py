@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from flashloop_compile.config import FlashLoopConfig
-from flashloop_compile.passes.base import FlashLoopPass, PassContext, Phase, graph_phase
+from flashloop_compile.passes.base import FlashLoopPass, PassContext, Phase, RuntimeProvider, graph_phase
 from flashloop_compile.passes.graph import shape_of
 from flashloop_compile.passes.kv_quant import KVResidualQuantizationPass
 from flashloop_compile.passes.position_attention import PositionAttentionPass
@@ -69,10 +69,14 @@ PASS_ORDER: list[type[FlashLoopPass]] = [
 
 
 class PassManager:
-    """Runs the enabled passes in a fixed order, then the cleanup tail (DCE, lint, recompile)."""
+    """Runs the enabled passes in a fixed order, then the cleanup tail (DCE, lint, recompile).
+    ``runtime`` gives the passes that read runtime state (the step plan, the packed KV cache) the
+    model's; the backend passes runtime/provider.py's (:func:`flashloop_compile.backend.pass_manager`)."""
 
-    def __init__(self, config: FlashLoopConfig, passes: list[type[FlashLoopPass]] | None = None) -> None:
+    def __init__(self, config: FlashLoopConfig, passes: list[type[FlashLoopPass]] | None = None, *,
+                 runtime: RuntimeProvider | None = None) -> None:
         self.config = config
+        self.runtime = runtime
         self.passes = [p(config) for p in (passes if passes is not None else PASS_ORDER)]
         self.cuts: list[fx.Node] = []  # the last run's layer boundaries, when outlining
 
@@ -99,7 +103,7 @@ class PassManager:
         for p in active:
             p.check(structure)
         report = RewriteReport(structure.num_loops, structure.num_layers, phase)
-        context = PassContext(gm, example_inputs)
+        context = PassContext(gm, example_inputs, self.runtime)
         for p in active:
             p.context = context
         if outline:

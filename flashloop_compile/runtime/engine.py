@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from flashloop_compile.config import FlashLoopConfig
+from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedGeometry
+from flashloop_compile.runtime.packed_kv import PackedKVCache
 from flashloop_compile.runtime.state import state_for_model
 
 __all__ = ["Engine", "Sampling", "GenerationResult", "BATCH_BUCKETS"]
@@ -131,18 +133,17 @@ class Engine:
     def _allocate_packed(self, max_new_tokens: int | None):
         """The packed cache, sized for the config (compact residual rows for retained tokens)."""
         from flashloop_compile.runtime.memory import residual_capacity
-        from flashloop_compile.runtime.packed_kv import PackedKVCache
 
         cfg, q = self.model.config, self.config.kv_residual_quantization
         dtype = next(self.model.parameters()).dtype
-        geometry = (cfg.num_hidden_layers, cfg.num_loops, self.max_batch, self.max_seq, cfg.num_key_value_heads,
-                    cfg.head_dim, q.group_size, q.tail)
-        packed = PackedKVCache(
-            *geometry[:6], group_size=q.group_size, tail=q.tail, dtype=dtype, device=self.device,
+        geometry = PackedGeometry(cfg.num_hidden_layers, cfg.num_loops, self.max_batch, self.max_seq,
+                                  cfg.num_key_value_heads, cfg.head_dim, q.group_size, q.tail)
+        # the compiled graphs take the model state's cache of their geometry (runtime/provider.py)
+        self.state.packed = PackedKVCache.for_geometry(
+            geometry, dtype=dtype, device=self.device,
             residual_capacity=residual_capacity(self.config, cfg.num_loops, self.max_seq, max_new_tokens),
         )
-        self.state.extras["packed"], self.state.extras["packed_geometry"] = packed, geometry
-        return packed
+        return self.state.packed
 
     def memory(self):
         """KV bytes of this engine's caches (see runtime/memory.py)."""
@@ -157,8 +158,6 @@ class Engine:
         """Every tensor a forward writes, by name: the dense caches that have storage
         (``dense.{loop * N + layer}.k_cache``) and the packed cache (``packed.layer{i}.{name}``,
         ``packed.{name}``). Restore them in place (``copy_``): captured graphs hold these addresses."""
-        from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
-
         out = {}
         for i, cache in enumerate(self.model.model.kv_caches):
             if cache.has_storage:

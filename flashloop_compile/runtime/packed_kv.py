@@ -5,38 +5,14 @@ positions, with static addresses (CUDA-graph friendly). Batch row ``b`` of an op
 ``b``. G = ``group_size``, D = ``head_dim``, H = ``kv_heads``, S = ``max_seq``, NB = S / G,
 R = ``num_loops``, CAP_d = ``residual_capacity`` of depth d (1..R-1), CAPT = sum of CAP_d.
 
-Per layer (:class:`PackedKVLayer`, the order of :meth:`PackedKVCache.layer_tensors`)::
-
-    k_base       [B, H, S, D/2]          uint8  loop-1 K codes, two per byte (even channel low nibble)
-    k_base_min   [B, H, NB, D]           fp16   one group per channel per G-token block
-    k_base_scale [B, H, NB, D]           fp16
-    v_base       [B, H, S, D/2]          uint8  loop-1 V codes
-    v_base_min   [B, H, S, D/G]          fp16   one group per token per G channels
-    v_base_scale [B, H, S, D/G]          fp16
-    k_res        [B, H, CAPT, D/2]       uint8  residual codes of every depth: depth d owns the
-                                                compact rows [off_d, off_d + CAP_d)
-    k_res_min    [R-1, B, H, NB, D]      fp16   block-local K residual groups, depth d at index d-1
-    k_res_scale  [R-1, B, H, NB, D]      fp16
-    v_res        [B, H, CAPT, D/2]       uint8
-    v_res_min    [B, H, CAPT, D/G]       fp16   per compact row
-    v_res_scale  [B, H, CAPT, D/G]       fp16
-    k_tail       [B, R, H, 2*tail, D]    dtype  ring of recent tokens, slot = position % (2*tail)
-    v_tail       [B, R, H, 2*tail, D]    dtype
-    flushed      [B, R]                  int32  positions quantized per depth (tail = [flushed, length))
-    row_count    [B, R]                  int32  compact rows used per depth (demand: may exceed CAP_d)
-
-Per model (:meth:`PackedKVCache.model_tensors`)::
-
-    rows         [R-1, B, S]             int32  depth d at index d-1: position -> compact row of
-                                                depth d (local to depth d), -1 = no residual
-    depth_count  [B, S]                  uint8  depths at which the token was computed
-    res_layout   [2, R]                  int32  row offset off_d and capacity CAP_d per depth
-    overflow     [1]                     int32  set to 1 by a write whose compact rows overflowed
+The tensors, their shapes and dtypes are the layout of lowering/packed_layout.py (one
+:class:`PackedKVLayer` per layer, then ``rows``, ``depth_count``, ``res_layout`` and ``overflow``
+per model); this module allocates them and keeps their state.
 
 The DESIGN.md per-depth tensors are views: ``k_res(layer, d)`` = ``k_res[:, :, off_d:off_d+CAP_d]``
 ([B, H, CAP_d, D/2]), ``k_res_min(layer, d)`` = ``k_res_min[d-1]`` ([B, H, NB, D]), ``rows(d)`` =
 ``rows[d-1]`` ([B, S]) and so on. One allocation per kind and layer lets one kernel address every
-depth through a single pointer; the bytes are exactly the table's.
+depth through a single pointer; the bytes are exactly the layout table's.
 
 ``flushed`` and ``row_count`` are per layer (DESIGN.md lists them per model): every layer's write
 op advances its own blocks, and a write must know where *its* layer stood before the step while a
@@ -48,16 +24,16 @@ step, so ``rows`` and ``depth_count`` (written identically by every layer) stay 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
+from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, PackedGeometry, res_layout, tensor_specs
 
-__all__ = ["PackedKVCache", "PackedKVLayer", "PackedKVBytes", "PackedKVOverflowError", "LAYER_TENSOR_NAMES", "MODEL_TENSOR_NAMES"]
+__all__ = ["PackedKVCache", "PackedKVLayer", "PackedKVBytes", "PackedKVOverflowError"]
 
-PARAM_DTYPE = torch.float16
 _COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -65,32 +41,8 @@ class PackedKVOverflowError(RuntimeError):
     """The compact residual rows of some depth exceeded their capacity."""
 
 
-@dataclass
-class PackedKVLayer:
-    """One layer's tensors, in the order the ``flashloop.packed_*`` ops take them."""
-
-    k_base: Tensor
-    k_base_min: Tensor
-    k_base_scale: Tensor
-    v_base: Tensor
-    v_base_min: Tensor
-    v_base_scale: Tensor
-    k_res: Tensor
-    k_res_min: Tensor
-    k_res_scale: Tensor
-    v_res: Tensor
-    v_res_min: Tensor
-    v_res_scale: Tensor
-    k_tail: Tensor
-    v_tail: Tensor
-    flushed: Tensor
-    row_count: Tensor
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-
-assert tuple(f.name for f in fields(PackedKVLayer)) == LAYER_TENSOR_NAMES  # the ops' order (lowering/packed_layout.py)
+# One layer's tensors, in the order the ``flashloop.packed_*`` ops take them.
+PackedKVLayer = NamedTuple("PackedKVLayer", [(name, Tensor) for name in LAYER_TENSOR_NAMES])
 
 
 @dataclass
@@ -167,42 +119,27 @@ class PackedKVCache:
         self.residual_offset: tuple[int, ...] = tuple(sum(caps[:i]) for i in range(len(caps)))
         self.num_blocks = max_seq // group_size
 
-        B, H, S, D, G, R, NB = max_batch, kv_heads, max_seq, head_dim, group_size, num_loops, self.num_blocks
-        capt = sum(caps)
-        dev = self.device
-        u8 = dict(dtype=torch.uint8, device=dev)
-        f16 = dict(dtype=PARAM_DTYPE, device=dev)
-        i32 = dict(dtype=torch.int32, device=dev)
-        self.layers: list[PackedKVLayer] = []
-        for _ in range(num_layers):
-            self.layers.append(
-                PackedKVLayer(
-                    k_base=torch.zeros(B, H, S, D // 2, **u8),
-                    k_base_min=torch.zeros(B, H, NB, D, **f16),
-                    k_base_scale=torch.zeros(B, H, NB, D, **f16),
-                    v_base=torch.zeros(B, H, S, D // 2, **u8),
-                    v_base_min=torch.zeros(B, H, S, D // G, **f16),
-                    v_base_scale=torch.zeros(B, H, S, D // G, **f16),
-                    k_res=torch.zeros(B, H, capt, D // 2, **u8),
-                    k_res_min=torch.zeros(R - 1, B, H, NB, D, **f16),
-                    k_res_scale=torch.zeros(R - 1, B, H, NB, D, **f16),
-                    v_res=torch.zeros(B, H, capt, D // 2, **u8),
-                    v_res_min=torch.zeros(B, H, capt, D // G, **f16),
-                    v_res_scale=torch.zeros(B, H, capt, D // G, **f16),
-                    k_tail=torch.zeros(B, R, H, 2 * tail, D, dtype=dtype, device=dev),
-                    v_tail=torch.zeros(B, R, H, 2 * tail, D, dtype=dtype, device=dev),
-                    flushed=torch.zeros(B, R, **i32),
-                    row_count=torch.zeros(B, R, **i32),
-                )
-            )
-        self.rows = torch.full((R - 1, B, S), -1, **i32)
-        self.depth_count = torch.zeros(B, S, **u8)
-        layout = torch.zeros(2, R, dtype=torch.int32)
-        layout[0, 1:] = torch.tensor(self.residual_offset, dtype=torch.int32)
-        layout[1, 0] = S
-        layout[1, 1:] = torch.tensor(caps, dtype=torch.int32)
-        self.res_layout = layout.to(dev)
-        self.overflow = torch.zeros(1, **i32)
+        self.geometry = PackedGeometry(num_layers, num_loops, max_batch, max_seq, kv_heads, head_dim, group_size, tail)
+        specs = tensor_specs(self.geometry, sum(caps), dtype)
+
+        def alloc(name: str) -> Tensor:
+            shape, dt, fill = specs[name]
+            return torch.full(shape, fill, dtype=dt, device=self.device)
+
+        self.layers: list[PackedKVLayer] = [PackedKVLayer(*map(alloc, LAYER_TENSOR_NAMES)) for _ in range(num_layers)]
+        self.rows, self.depth_count = alloc("rows"), alloc("depth_count")
+        self.res_layout = torch.tensor(res_layout(max_seq, caps), dtype=specs["res_layout"].dtype).to(self.device)
+        self.overflow = alloc("overflow")
+
+    @classmethod
+    def for_geometry(
+        cls, geometry: PackedGeometry, *, residual_capacity: int | Sequence[int] | None = None,
+        dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+    ) -> "PackedKVCache":
+        """The cache of ``geometry`` (lowering/packed_layout.py)."""
+        g = geometry
+        return cls(g.num_layers, g.num_loops, g.max_batch, g.max_seq, g.kv_heads, g.head_dim, group_size=g.group_size,
+                   tail=g.tail, residual_capacity=residual_capacity, dtype=dtype, device=device)
 
     # ------------------------------------------------------------------------------------------
     # validation
@@ -270,7 +207,7 @@ class PackedKVCache:
 
     def layer_tensors(self, layer: int) -> tuple[Tensor, ...]:
         """The layer's tensors in the order the ops take them (see ``LAYER_TENSOR_NAMES``)."""
-        return self.layers[layer].tensors()
+        return tuple(self.layers[layer])
 
     def model_tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(rows, depth_count, res_layout, overflow), shared by every layer."""

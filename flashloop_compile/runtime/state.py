@@ -16,11 +16,13 @@ model share one state.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from flashloop_compile.runtime.packed_kv import PackedKVCache
 
 __all__ = ["StepPlan", "ModelState", "state_for_tensor", "state_for_model"]
 
@@ -63,7 +65,7 @@ class StepPlan:
 @dataclass
 class ModelState:
     plan: StepPlan
-    extras: dict[str, Any] = field(default_factory=dict)
+    packed: PackedKVCache | None = None  # with KV quantization (its geometry: packed.geometry)
 
 
 # id(anchor tensor) -> (weak reference to it, state); tensors compare elementwise, so a

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from expecttest import assert_expected_inline
 
+from flashloop_compile.backend import pass_manager
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.passes import PassManager, RecognitionError
 from flashloop_compile.passes.graph import GraphSnapshot, op_name
@@ -51,15 +52,21 @@ def _decode_graph(model, batch=2):
 def test_decode_quant_only_counts():
     gm = _decode_graph(tiny())
     assert _cache_writes(gm) == 16
-    report = PassManager(QUANT).run(gm)
+    report = pass_manager(QUANT).run(gm)
     assert report.matched == {"KVResidualQuantizationPass": 8}
     assert _counts(gm) == {"flashloop.packed_attention": 8, "flashloop.packed_kv_write": 8}
     assert _cache_writes(gm) == 0, "no dense cache write survives"
 
 
+def test_a_manager_without_the_runtime_names_what_to_pass():
+    # the pass layer does not reach into the runtime: the packed cache comes through the provider
+    with pytest.raises(RuntimeError, match=r"packed KV cache: build the PassManager with runtime=.*ModelStateProvider"):
+        PassManager(QUANT).run(_decode_graph(tiny()))
+
+
 def test_decode_quant_with_sparse_decode_counts():
     gm = _decode_graph(tiny())
-    PassManager(FlashLoopConfig.from_switches(False, True, True)).run(gm)
+    pass_manager(FlashLoopConfig.from_switches(False, True, True)).run(gm)
     assert _counts(gm) == {
         "flashloop.packed_attention": 2,  # loop 1 reads the packed cache directly
         "flashloop.packed_reference_attention": 2,  # loop 2: the reference over the packed whole history
@@ -73,7 +80,7 @@ def test_the_correction_is_one_op_per_site_in_the_plan():
     from flashloop_compile.passes import recognize
 
     gm = _decode_graph(tiny())
-    plan = PassManager(FlashLoopConfig.from_switches(False, True, True)).plan(recognize(gm))
+    plan = pass_manager(FlashLoopConfig.from_switches(False, True, True)).plan(recognize(gm))
     assert any("the selected keys read and attended in one pass" in line for line in plan), plan
 
 
@@ -114,7 +121,7 @@ def test_prefill_all_on_counts():
     model.setup_caches(2, 128)
     ids, pos = ragged_batch([40, 40])
     gm = capture_dynamic(model, ids, pos)
-    report = PassManager(FlashLoopConfig.all_on()).run(gm)
+    report = pass_manager(FlashLoopConfig.all_on()).run(gm)
     assert report.matched == {"TokenSparsePrefillPass": 2, "KVResidualQuantizationPass": 8}
     assert _counts(gm) == {
         "flashloop.select_active": 2,
@@ -133,7 +140,7 @@ def test_graph_diff():
     ids, _ = ragged_batch([1])
     gm = capture(model, ids, torch.tensor([[3]]))
     snap = GraphSnapshot(gm)
-    PassManager(QUANT).run(gm)
+    pass_manager(QUANT).run(gm)
     assert_expected_inline(snap.diff(gm), """\
 +%new0 = get_attr : i32[1, 2]
 +%new1 = get_attr : i32[1, 2]
@@ -200,4 +207,4 @@ def test_concat_cache_is_a_clear_error():
         hf(ids, past_key_values=cache)
     gm = capture(hf, ids[:, :1], past_key_values=cache)
     with pytest.raises(RecognitionError, match="reads a 'concat' cache"):
-        PassManager(QUANT).run(gm)
+        pass_manager(QUANT).run(gm)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashloop_compile.backend import make_backend
+from flashloop_compile.backend import make_backend, pass_manager
 from flashloop_compile.config import FlashLoopConfig
-from flashloop_compile.passes import PassManager, RecognitionError
+from flashloop_compile.passes import RecognitionError
 from flashloop_compile.passes.graph import op_name
 
 from .conftest import capture, capture_dynamic, ragged_batch, tiny
@@ -29,12 +29,12 @@ def test_every_prefill_site_is_rewritten_and_decode_is_untouched():
     ids, pos = ragged_batch([9, 9])
     gm = capture(model, ids, pos)
     assert _counts(gm)["scaled_dot_product_attention"] == 8
-    report = PassManager(FlashLoopConfig.from_dict(ON)).run(gm)
+    report = pass_manager(FlashLoopConfig.from_dict(ON)).run(gm)
     assert report.matched == {"PositionAttentionPass": 8}
     assert _counts(gm) == {"scaled_dot_product_attention": 0, "flashloop.position_attention": 8,
                            "flashloop.packed_attention": 0}
     decode = capture(model, ids[:, :1], torch.full((2, 1), 9))
-    report = PassManager(FlashLoopConfig.from_dict(ON)).run(decode)
+    report = pass_manager(FlashLoopConfig.from_dict(ON)).run(decode)
     assert report.matched == {}
     assert _counts(decode)["scaled_dot_product_attention"] == 8
 
@@ -50,7 +50,7 @@ def test_with_token_sparse_prefill_and_quantization():
                            ((True, False, True), {"scaled_dot_product_attention": 0, "flashloop.position_attention": 0,
                                                   "flashloop.packed_attention": 8})):
         gm = capture_dynamic(model, ids, pos)
-        report = PassManager(FlashLoopConfig.from_switches(*switches, **ON)).run(gm)
+        report = pass_manager(FlashLoopConfig.from_switches(*switches, **ON)).run(gm)
         assert report.matched["PositionAttentionPass"] == 8, report.matched
         assert _counts(gm) == want, switches
 
@@ -83,4 +83,4 @@ def test_a_model_without_a_position_mask_is_a_clear_error():
     ids, pos = ragged_batch([9])
     gm = capture(model, ids, pos)
     with pytest.raises(RecognitionError, match="compilation.position_attention needs a KV cache written in place"):
-        PassManager(FlashLoopConfig.from_dict(ON)).run(gm)
+        pass_manager(FlashLoopConfig.from_dict(ON)).run(gm)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
-from flashloop_compile.backend import last_report, make_backend
+from flashloop_compile.backend import last_report, make_backend, pass_manager
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.models.ouro import Readout
-from flashloop_compile.passes import PassManager, SparseDecodeAttentionPass, recognize
+from flashloop_compile.passes import SparseDecodeAttentionPass, recognize
 from flashloop_compile.passes.graph import GraphSnapshot, op_name
 from flashloop_compile.reference import ReferenceFlashLoop
 from models.hf_style_ouro import LoopedDynamicCache
@@ -40,7 +40,7 @@ def decode_graph(model, batch=2, max_seq=48, **kwargs):
 def test_op_counts_before_and_after(loops, layers):
     gm = decode_graph(tiny(total_ut_steps=loops, num_hidden_layers=layers))
     assert op_counts(gm) == {"scaled_dot_product_attention": loops * layers}
-    report = PassManager(SPARSE).run(gm)
+    report = pass_manager(SPARSE).run(gm)
     assert report.matched == {"SparseDecodeAttentionPass": layers * (loops - 1)}
     assert op_counts(gm) == {
         "scaled_dot_product_attention": layers,  # loop 1 stays dense
@@ -54,20 +54,20 @@ def test_prefill_graphs_and_two_loop_models_are_untouched():
     model.setup_caches(2, 48)
     ids, pos = ragged_batch([6, 6])
     gm = capture(model, ids, pos)
-    report = PassManager(SPARSE).run(gm)
+    report = pass_manager(SPARSE).run(gm)
     assert report.phase == "prefill" and report.matched == {}
     assert op_counts(gm) == {"scaled_dot_product_attention": 8}
     gm = decode_graph(tiny(total_ut_steps=2))
-    assert PassManager(SPARSE).run(gm).matched == {"SparseDecodeAttentionPass": 0}
+    assert pass_manager(SPARSE).run(gm).matched == {"SparseDecodeAttentionPass": 0}
     # a forward that stops at loop 2 (exit_at_step=2) has no sparse loop either
     gm = decode_graph(tiny(), readout=Readout.exit_at_step(2))
-    assert PassManager(SPARSE).run(gm).matched == {"SparseDecodeAttentionPass": 0}
+    assert pass_manager(SPARSE).run(gm).matched == {"SparseDecodeAttentionPass": 0}
 
 
 def test_graph_diff():
     gm = decode_graph(tiny(total_ut_steps=3, num_hidden_layers=1), batch=1, max_seq=32)
     snap = GraphSnapshot(gm)
-    PassManager(SPARSE).run(gm)
+    pass_manager(SPARSE).run(gm)
     assert_expected_inline(snap.diff(gm), """\
 -%152 = scaled_dot_product_attention(%133, %150, %151, attn_mask=%18, enable_gqa=False) : f32[1, 2, 1, 64]
 -%153 = .transpose(%152, 1, 2) : f32[1, 1, 2, 64]
@@ -92,7 +92,7 @@ def test_graph_diff():
 
 def test_reference_state_flows_per_layer():
     gm = decode_graph(tiny(total_ut_steps=4, num_hidden_layers=2))
-    PassManager(SPARSE).run(gm)
+    pass_manager(SPARSE).run(gm)
     refs = [n for n in gm.graph.nodes if op_name(n) == "flashloop.reference_attention"]
     corrs = [n for n in gm.graph.nodes if op_name(n) == "flashloop.correction_attention"]
 

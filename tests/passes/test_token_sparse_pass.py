@@ -6,9 +6,9 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
-from flashloop_compile.backend import last_report, make_backend
+from flashloop_compile.backend import last_report, make_backend, pass_manager
 from flashloop_compile.config import FlashLoopConfig
-from flashloop_compile.passes import PassManager, RecognitionError
+from flashloop_compile.passes import RecognitionError
 from flashloop_compile.passes.graph import GraphSnapshot, op_name
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.state import state_for_model
@@ -47,7 +47,7 @@ def test_op_counts_and_untouched_loops():
     counts_before = {}
     for n in gm.graph.nodes:
         counts_before[op_name(n)] = counts_before.get(op_name(n), 0) + 1
-    report = PassManager(_config()).run(gm)
+    report = pass_manager(_config()).run(gm)
     assert report.matched == {"TokenSparsePrefillPass": 2}
     names = [op_name(n) for n in gm.graph.nodes]
     assert names.count("flashloop.select_active") == 2
@@ -67,7 +67,7 @@ def test_retention_one_skips_selection_entirely():
     model.setup_caches(2, 64)
     ids, pos = ragged_batch([9, 9])
     gm = capture_dynamic(model, ids, pos)
-    report = PassManager(_config(**{"token_sparse_prefill.retention": [1, 1, 1, 1]})).run(gm)
+    report = pass_manager(_config(**{"token_sparse_prefill.retention": [1, 1, 1, 1]})).run(gm)
     assert report.matched == {"TokenSparsePrefillPass": 0}
     assert "flashloop.select_active" not in [op_name(n) for n in gm.graph.nodes]
 
@@ -90,7 +90,7 @@ def test_graph_diff():
     ids, pos = ragged_batch([6])
     gm = capture_dynamic(model, ids, pos)
     snap = GraphSnapshot(gm)
-    PassManager(_config(**{"token_sparse_prefill.retention": [1, 1, 0.5], "token_sparse_prefill.window": 4})).run(gm)
+    pass_manager(_config(**{"token_sparse_prefill.retention": [1, 1, 0.5], "token_sparse_prefill.window": 4})).run(gm)
     assert_expected_inline(snap.diff(gm), """\
 -%0 = eq(%in2, %in2) : sym(True)
 -%1 = not_(%0) : bool

@@ -16,6 +16,7 @@ from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine, Sampling
+from flashloop_compile.runtime.state import state_for_model
 from passes.conftest import tiny
 
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 30, 21)]
@@ -115,6 +116,7 @@ def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
     mem = eng.memory()
     assert mem.packed is not None and mem.ratio > 1
     assert eng.generate([PROMPTS[1]], 4).tokens[0] == ReferenceFlashLoop(model, config).greedy(PROMPTS[1], 4).tolist()
+    assert state_for_model(model).packed is eng.packed  # the compiled graphs took the engine's cache
     from flashloop_compile.runtime.packed_kv import PackedKVOverflowError
 
     with pytest.raises(PackedKVOverflowError, match="capacity"):

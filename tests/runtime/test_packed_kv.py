@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashloop_compile.runtime import PackedKVCache, PackedKVOverflowError
-from flashloop_compile.runtime.packed_kv import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
+from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
 
 L, R, B, S, H, D, G = 2, 4, 2, 512, 2, 64, 64
 CAPS = [512, 128, 64]
