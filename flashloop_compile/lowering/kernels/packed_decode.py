@@ -1,7 +1,8 @@
 """One-query-row decode over the packed store's flushed bulk (conventions in packed_codec.py):
-``_decode_bulk_kernel`` [B*H, splits] computes split-K partials with the code-domain scores and
-PV (packed_code_domain.py); ``_combine_kernel`` merges every split's partials (the bulk's and
-packed_attention's tail and in-flight splits) into the output.
+``_decode_bulk_kernel`` [B*H, splits] computes flash-decoding split-K partials in the code domain
+(one warp per program, codes converted by bit operations, the parameters folded per tile);
+``_combine_kernel`` merges every split's partials (the bulk's and packed_attention's tail and
+in-flight splits) into the output.
 """
 
 from __future__ import annotations
@@ -11,10 +12,95 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import sm_count
-from flashloop_compile.lowering.kernels.packed_codec import _bulk_tiles, _round_to, _row_bases
-from flashloop_compile.lowering.kernels.packed_code_domain import _linear_pv, _linear_scores, _word_pairs
+from flashloop_compile.lowering.kernels.packed_codec import _bulk_tiles, _round_to
 
-__all__ = ["FAST_DECODE", "decode_splits"]
+__all__ = ["FAST_DECODE", "FP32_ONE_BITS", "bulk_lanes", "decode_splits"]
+
+FP32_ONE_BITS = 0x3F800000
+"""1.0f's bits: _decode_bulk_kernel's ONE, a runtime argument so that the mask and the OR of a
+code's conversion compile to one LOP3 (two constants do not fit one instruction)."""
+
+
+def bulk_lanes(head_dim: int, block_n: int) -> int:
+    """Key lanes of _decode_bulk_kernel's [NREP, LANES] tile: a row's code words in 16-byte runs,
+    one thread each, so 32 threads cover 128 // (head_dim / 8) keys at once; the NREP keys a
+    thread holds sum in registers."""
+    return max(1, min(block_n, 128 // max(head_dim // 8, 1)))
+
+
+@triton.jit
+def _unit_codes(w, ONE):
+    """The INT4 codes of int32 code words w [...] as FP32 1 + code/16, [..., 2, 2, 2]: nibble 4x +
+    2y + z (channel 8i + 4x + 2y + z of word i) at [..., x, y, z]. Each nibble shifted to bits
+    19..22 (the top of the mantissa) and ORed into 1.0f's bits (ONE, a runtime argument: with the
+    mask, one LOP3): a shift and a logic op per code, no int -> float conversion."""
+    M = 0x00780000
+    n0 = ((w << 19) & M) | ONE
+    n1 = ((w << 15) & M) | ONE
+    n2 = ((w << 11) & M) | ONE
+    n3 = ((w << 7) & M) | ONE
+    n4 = ((w << 3) & M) | ONE
+    n5 = ((w >> 1) & M) | ONE
+    n6 = ((w >> 5) & M) | ONE
+    n7 = ((w >> 9) & M) | ONE
+    u = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _half(w, HI: tl.constexpr):
+    """The low (HI False) or high half of int32 words w as FP32 of an fp16 bit pattern."""
+    if HI:
+        w = w >> 16
+    return w.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _channel_words(ptr, pw):
+    """FP32 per-channel parameters [..., 2, 2, 2] (in _unit_codes' order) of the fp16 table ptr
+    for code words whose first pair word is pw [...] (4 pairs, 8 channels per code word): four
+    4-byte loads of pw's shape. Smaller than the program's threads, they are no layout anchor:
+    they take the code tile's layout instead of converting the tile's products every tile."""
+    words = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw
+    w0 = tl.load(words)
+    w1 = tl.load(words + 1)
+    w2 = tl.load(words + 2)
+    w3 = tl.load(words + 3)
+    # channel 4x + 2y + z of the code word: pair word 2x + y, half z
+    return tl.join(tl.join(tl.join(_half(w0, False), _half(w2, False)), tl.join(_half(w1, False), _half(w3, False))),
+                   tl.join(tl.join(_half(w0, True), _half(w2, True)), tl.join(_half(w1, True), _half(w3, True))))
+
+
+@triton.jit
+def _group_params(ptr, r, g, NG: tl.constexpr, rmask=None):
+    """FP32 V parameters [NG, LANES, NREP, 1] of rows r [1, LANES, NREP, 1] (0 where rmask is
+    False) for groups g [NG, 1, 1, 1]: a row's fp16 pair read as one 4-byte word (both halves loaded per group: the copy
+    hits L1) when NG is even (cp.async needs 4 bytes), else as fp16."""
+    if NG % 2 == 0:
+        words = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + r * (NG // 2) + g // 2
+        if rmask is None:
+            w = tl.load(words)
+        else:
+            w = tl.load(words, mask=rmask, other=0)
+        return (w >> ((g % 2) * 16)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        if rmask is None:
+            v = tl.load(ptr + r * NG + g)
+        else:
+            v = tl.load(ptr + r * NG + g, mask=rmask, other=0.0)
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _chan_sum(x):
+    """Sums over the channels of x [NG, LANES, NREP, WG, 2, 2, 2]: [LANES, NREP]."""
+    return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(x, 6), 5), 4), 3), 0)
+
+
+@triton.jit
+def _par_sum(x):
+    """Sum of per-channel values x [NG, 1, 1, WG, 2, 2, 2]: a scalar."""
+    return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(x, 6), 5), 4), 3), 2), 1), 0)
 
 
 @triton.jit
@@ -23,30 +109,33 @@ def _decode_bulk_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     rows, res_layout, part_ml, part_acc,
-    sq_b, sq_h, sq_d, sqp_b, scale, B, H, S, NB, CAPT, R,
-    D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, NSTORED: tl.constexpr, RP: tl.constexpr,
-    STAGES: tl.constexpr, DEPTH: tl.constexpr, HALF: tl.constexpr = False, NTAIL: tl.constexpr = 1,
+    sq_b, sq_h, sq_d, sqp_b, scale, ONE, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, LANES: tl.constexpr, NSTORED: tl.constexpr,
+    RP: tl.constexpr, STAGES: tl.constexpr, DEPTH: tl.constexpr, NTAIL: tl.constexpr = 1,
 ):
-    """The packed bulk of one-query-row decode (the FAST_DECODE path): splits z < NSTORED of the
-    key tiles of BN keys below every depth's flushed boundary and the stored end. There the
-    resolution rule needs no per-token state: every position holds its base, and residual j
-    (1 <= j <= depth) is present exactly where rows_j >= 0 (nested sets: a token computed at
-    depth j was computed at every earlier depth), so the loads have no data-dependent branches.
-    A kernel of its own so that its registers are not the generic tail's (_attn_kernel with FAST
-    takes split NSTORED: the unflushed tail, the ring and the in-flight keys). Per tile, K first
-    (base + residuals 1..depth where present, scores, online-softmax update), then V. Partials in
-    _attn_kernel's layout for _combine_kernel. The depth is a constexpr (one compiled variant per
-    loop of the model): the residual loops unroll without masks and the tile loop's loads are
-    software-pipelined. Dequantization is affine, so scores and the PV product are
-    taken in the code domain (_linear_scores, _linear_pv) instead of on reconstructed K/V rounded
-    to the compute dtype: per element and stream a nibble conversion and one FMA, the parameters
-    applied per tile (K) or per token and group (V), V kept as per-row partials summed once per
-    split. The attention of the exact reconstruction up to FP32 rounding (the compute-dtype
-    rounding of K/V is not applied). HALF: the scores on K rebuilt in fp16 (_linear_scores).
-    NTAIL: _attn_kernel's programs after these (the row's partials are NSTORED + NTAIL)."""
+    """The packed bulk of one-query-row decode (flash-decoding split-K, the FAST_DECODE path):
+    program (b*H + h, z), z < NSTORED, takes a contiguous range of the key tiles of BN keys (BN
+    divides G: one K parameter block per tile) below every depth's flushed boundary and the
+    stored end. There every position holds its base and residual j (1 <= j <= DEPTH) is present
+    exactly where rows_j >= 0: no per-token resolution, no data-dependent branch.
+
+    In the code domain: codes become u = 1 + code/16 (_unit_codes: no int -> float conversion)
+    and the affine parameters leave the per-code work. K: q . k = sum_c qs_c u_c + bias with
+    qs = 16 q scale_c (per tile) and bias = q . (min - 16 scale) (one scalar per tile), q in the
+    exp2 domain (scale * log2 e folded in). V: p v_c = (16 p scale_g) u_c + p (min_g - 16 scale_g)
+    per token and group: one FMA per code, the minima per group. A tile is [NREP, LANES] keys
+    (key rep * LANES + lane); online softmax per lane, reduced over the NREP keys a thread holds,
+    and merged across lanes once per split. Partials (m in natural-log units) in _attn_kernel's
+    layout for _combine_kernel; NTAIL: _attn_kernel's programs after these (NSTORED + NTAIL
+    partials per row). The attention of the exact reconstruction up to FP32 rounding."""
+    W: tl.constexpr = D // 8  # int32 code words per row
+    NG: tl.constexpr = D // G
+    WG: tl.constexpr = W // NG  # words per V group
     HD: tl.constexpr = D // 2
+    NREP: tl.constexpr = BN // LANES
     NSPL: tl.constexpr = NSTORED + NTAIL
-    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
+    LOG2E: tl.constexpr = 1.4426950408889634
+    qk = tl.cast(scale, tl.float32) * LOG2E  # Inductor passes Python floats as fp64
     bh = tl.program_id(0).to(tl.int64)
     b = bh // H
     h = bh % H
@@ -54,41 +143,89 @@ def _decode_bulk_kernel(
     nfast = _bulk_tiles(q_positions, sqp_b, p0, flushed, b, R, DEPTH, RP, BN)
     lo = (z * nfast) // NSTORED
     hi = ((z + 1) * nfast) // NSTORED
-    # rows in _code_units' order, q in the codes' unit; per-row V partials (_linear_pv)
-    ch = 2 * _word_pairs(D)[:, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [D/8, 2, 2, 2]
-    # q's even and odd channels as two loads of D/2: fewer than a program's threads, no layout anchor
-    qc = q + b * sq_b + h * sq_h + (2 * _word_pairs(D))[None] * sq_d
-    q24 = tl.join(tl.load(qc).to(tl.float32), tl.load(qc + sq_d).to(tl.float32)) * 16777216.0
-    y = tl.zeros([BN, D // 8, 2, 2, 2], tl.float32)
-    yb = tl.zeros([BN, D // 8], tl.float32)
-    # online softmax per key lane (a lane: one key index of the tile, the row of y it feeds),
-    # merged once per split: no reduction across the program's threads per tile
-    m_v = tl.full([BN], float("-inf"), tl.float32)
-    l_v = tl.zeros([BN], tl.float32)
-    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-        bh, S, NB, CAPT, D, G,
-    )
+    # A tile as [NG, LANES, NREP, WG] code words: V group, key lane, key rep (key rep * LANES +
+    # lane), word of the group. The dims after the words are in the order threads fill them
+    # (the codes' load is the layout anchor; Triton orders equally non-contiguous dims by index):
+    # words, groups, lanes, so a thread holds all NREP keys of its lane and the sums over them
+    # stay in registers.
+    kr = tl.arange(0, LANES)[:, None] + tl.arange(0, NREP)[None, :] * LANES  # [LANES, NREP]
+    gg = tl.arange(0, NG)[:, None, None, None]  # [NG, 1, 1, 1]
+    ii = tl.arange(0, WG)[None, None, None, :]
+    word = gg * WG + ii  # [NG, 1, 1, WG]: word of the row
+    pw = 4 * word  # its first K parameter pair word in a block
+    # q by nibble (8 loads of code words' shape, _unit_codes' order) like the K parameters
+    qc = q + b * sq_b + h * sq_h + (8 * word) * sq_d
+    qq = tl.join(tl.join(tl.join(tl.load(qc), tl.load(qc + 4 * sq_d)), tl.join(tl.load(qc + 2 * sq_d), tl.load(qc + 6 * sq_d))),
+                 tl.join(tl.join(tl.load(qc + sq_d), tl.load(qc + 5 * sq_d)),
+                         tl.join(tl.load(qc + 3 * sq_d), tl.load(qc + 7 * sq_d)))).to(tl.float32) * qk
+    q16 = qq * 16.0
+    acc = tl.zeros([NG, LANES, WG, 2, 2, 2], tl.float32)
+    vb = tl.zeros([NG, LANES, 1], tl.float32)  # sum p (min - 16 scale) per group and lane
+    m_l = tl.full([LANES], float("-inf"), tl.float32)  # log2 units
+    l_l = tl.zeros([LANES], tl.float32)
+    kb_words = (k_base + bh * S * HD).to(tl.pointer_type(tl.int32), bitcast=True)
+    vb_words = (v_base + bh * S * HD).to(tl.pointer_type(tl.int32), bitcast=True)
+    kb_min = k_base_min + bh * NB * D
+    kb_scale = k_base_scale + bh * NB * D
+    vb_min = v_base_min + bh * S * NG
+    vb_scale = v_base_scale + bh * S * NG
+    kr_words = (k_res + bh * CAPT * HD).to(tl.pointer_type(tl.int32), bitcast=True)
+    vr_words = (v_res + bh * CAPT * HD).to(tl.pointer_type(tl.int32), bitcast=True)
+    vr_min = v_res_min + bh * CAPT * NG
+    vr_scale = v_res_scale + bh * CAPT * NG
     for tile in tl.range(lo, hi, num_stages=STAGES):
-        p = tile * BN + tl.arange(0, BN)  # int32: positions < S
-        s = _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
-                           (tile * BN) // G, q24, b, h, B, H, S, NB, D, DEPTH, HALF) * scale
-        m_new = tl.maximum(m_v, s)  # the bulk has no masked key: s is finite
-        alpha = tl.exp(m_v - m_new)
-        pr = tl.exp(s - m_new)
-        l_v = l_v * alpha + pr
-        m_v = m_new
-        y, yb = _linear_pv(y * alpha[:, None, None, None, None], yb * alpha[:, None], vb_codes, vb_min, vb_scale,
-                           vr_codes, vr_min, vr_scale, rows, res_layout, p, pr[:, None], b, B, S, D, G, DEPTH)
+        p2 = tile * BN + kr  # [LANES, NREP], int32: positions < S
+        p = p2[None, :, :, None]
+        pk = ((tile * BN) // G) * HD + pw  # the block's K parameter words
+        # K: q . k in the exp2 domain, sum_c ks_c u_c + sum_c (qq min_c - ks_c)
+        ks = q16 * _channel_words(kb_scale, pk)
+        bias = _par_sum(qq * _channel_words(kb_min, pk) - ks)
+        s = _chan_sum(ks * _unit_codes(tl.load(kb_words + p * W + word), ONE)) + bias
+        for j in tl.static_range(1, DEPTH + 1):
+            rj = tl.load(rows + ((j - 1) * B + b) * S + p2)
+            has = rj >= 0
+            gr = (tl.load(res_layout + j) + tl.where(has, rj, 0))[None, :, :, None]
+            pr = (((j - 1) * B + b) * H + h) * NB * D  # residual j's K parameter table
+            rs = q16 * _channel_words(k_res_scale + pr, pk)
+            rsum = _par_sum(rs)
+            rbias = _par_sum(qq * _channel_words(k_res_min + pr, pk))
+            # an absent row loads code words 0 (u = 1 everywhere): its sum_c rs_c is taken back
+            c = tl.load(kr_words + gr * W + word, mask=has[None, :, :, None], other=0)
+            s += _chan_sum(rs * _unit_codes(c, ONE)) + tl.where(has, rbias, 0.0) - rsum
+        m_new = tl.maximum(m_l, tl.max(s, 1))  # the bulk has no masked key: s is finite
+        alpha = tl.exp2(m_l - m_new)
+        pe = tl.exp2(s - m_new[:, None])  # [LANES, NREP]
+        l_l = l_l * alpha + tl.sum(pe, 1)
+        m_l = m_new
+        # V: sum_t p_t v_tc = sum_t (16 p_t scale_tg) u_tc + sum_t p_t (min_tg - 16 scale_tg)
+        p4 = pe[None, :, :, None]
+        vsc = _group_params(vb_scale, p, gg, NG)
+        wv = (16.0 * p4) * vsc  # [NG, LANES, NREP, 1]
+        y = wv[:, :, :, :, None, None, None] * _unit_codes(tl.load(vb_words + p * W + word), ONE)
+        vbt = p4 * (_group_params(vb_min, p, gg, NG) - 16.0 * vsc)
+        for j in tl.static_range(1, DEPTH + 1):
+            rj = tl.load(rows + ((j - 1) * B + b) * S + p2)
+            has = (rj >= 0)[None, :, :, None]
+            gr = (tl.load(res_layout + j) + tl.where(rj >= 0, rj, 0))[None, :, :, None]
+            # an absent row loads parameters 0: no term
+            rsc = _group_params(vr_scale, gr, gg, NG, has)
+            wr = (16.0 * p4) * rsc
+            c = tl.load(vr_words + gr * W + word, mask=has, other=0)
+            y += wr[:, :, :, :, None, None, None] * _unit_codes(c, ONE)
+            vbt += p4 * (_group_params(vr_min, gr, gg, NG, has) - 16.0 * rsc)
+        acc = acc * alpha[None, :, None, None, None, None] + tl.sum(y, 2)
+        vb = vb * alpha[None, :, None] + tl.sum(vbt, 2)
     prow = bh * NSPL + z
     one = tl.arange(0, 1)
     # merge the lanes: m_i is -inf (and l_i 0) for a split without tiles
-    m_i = tl.max(m_v, 0)
-    w = tl.exp(m_v - tl.where(m_i > float("-inf"), m_i, 0.0))
-    l_i = tl.sum(l_v * w, 0)
-    tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i)
+    m_i = tl.max(m_l, 0)
+    wl = tl.exp2(m_l - tl.where(m_i > float("-inf"), m_i, 0.0))
+    l_i = tl.sum(l_l * wl, 0)
+    o = tl.sum((acc + vb[:, :, :, None, None, None]) * wl[None, :, None, None, None, None], 1)  # [NG, WG, 2, 2, 2]
+    tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i * 0.6931471805599453)
     tl.store(part_ml + prow * 2 + 1 + one, tl.full([1], 0.0, tl.float32) + l_i)
-    tl.store(part_acc + prow * D + ch, tl.sum((y + yb[:, :, None, None, None]) * w[:, None, None, None, None], 0))
+    ch = 8 * tl.arange(0, W)[:, None, None, None] + 4 * tl.arange(0, 2)[:, None, None] + 2 * tl.arange(0, 2)[:, None] + tl.arange(0, 2)
+    tl.store(part_acc + prow * D + tl.reshape(ch, [NG, WG, 2, 2, 2]), o)
 
 
 @triton.jit
@@ -125,10 +262,12 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
     return max(1, min(want, max_seq // (4 * block_n), 128))
 
 
-# One-query-row decode: _decode_bulk_kernel over the flushed bulk (code-domain scores and PV, K
-# rebuilt in fp16 for 16-bit caches), _attn_kernel's NTAIL programs for the tail. 32-key tiles, 4
-# warps, 3 cp.async stages, splits for 3 waves of programs: the best of
-# `benchmarks/bench_packed_decode.py --sweep` on the H200 (B1/B4 x 32K, depths 0/1: 90.1 / 216.0 /
-# 130.7 / 371.3 us). tail_programs: the tail's 2-5 per-token tiles spread over 4 programs per row
-# (_attn_kernel 13.0 / 13.4 us at B1 / B4 x 32K against 21.6 / 21.8 with one).
-FAST_DECODE = {"block_n": 32, "num_warps": 4, "num_stages": 3, "waves": 3, "tail_programs": 4}
+# One-query-row decode: _decode_bulk_kernel over the flushed bulk, _attn_kernel's NTAIL programs
+# for the tail. block_n: keys per tile at depth 0 (min(group, block_n): one K parameter block per
+# tile), block_n_residual at depths >= 1 (64-key tiles with a residual stream spill at one warp:
+# scripts/kernel_report.py); one warp per program (the per-tile parameter work shared by more
+# keys per thread: 68% of copy bandwidth at 1 warp, 55% at 2, 42% at 4 in a plain-Triton probe of
+# this format on the H200); 3 cp.async stages; waves: programs per SM the splits aim at (1056
+# programs at B1 x 32K, 1024 at B4). tail_programs: the tail's 2-5 per-token tiles spread over 4
+# programs per row (_attn_kernel 13.0 / 13.4 us at B1 / B4 x 32K against 21.6 / 21.8 with one).
+FAST_DECODE = {"block_n": 64, "block_n_residual": 32, "num_warps": 1, "num_stages": 3, "waves": 8, "tail_programs": 4}
