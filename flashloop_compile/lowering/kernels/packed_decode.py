@@ -29,22 +29,15 @@ def bulk_lanes(head_dim: int, block_n: int) -> int:
 
 
 @triton.jit
-def _unit_codes(w, ONE):
-    """The INT4 codes of int32 code words w [...] as FP32 1 + code/16, [..., 2, 2, 2]: nibble 4x +
-    2y + z (channel 8i + 4x + 2y + z of word i) at [..., x, y, z]. Each nibble shifted to bits
-    19..22 (the top of the mantissa) and ORed into 1.0f's bits (ONE, a runtime argument: with the
-    mask, one LOP3): a shift and a logic op per code, no int -> float conversion."""
-    M = 0x00780000
-    n0 = ((w << 19) & M) | ONE
-    n1 = ((w << 15) & M) | ONE
-    n2 = ((w << 11) & M) | ONE
-    n3 = ((w << 7) & M) | ONE
-    n4 = ((w << 3) & M) | ONE
-    n5 = ((w >> 1) & M) | ONE
-    n6 = ((w >> 5) & M) | ONE
-    n7 = ((w >> 9) & M) | ONE
-    u = tl.join(tl.join(tl.join(n0, n4), tl.join(n2, n6)), tl.join(tl.join(n1, n5), tl.join(n3, n7)))
-    return u.to(tl.float32, bitcast=True)
+def _unit(w, N: tl.constexpr, ONE):
+    """Nibble N of int32 code words w as FP32 1 + code/16: shifted to bits 19..22 (the top of the
+    mantissa) and ORed into 1.0f's bits (ONE, a runtime argument: with the mask, one LOP3), a
+    shift and a logic op per code, no int -> float conversion."""
+    if 4 * N <= 19:
+        x = w << (19 - 4 * N)
+    else:
+        x = w >> (4 * N - 19)
+    return ((x & 0x00780000) | ONE).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -56,19 +49,12 @@ def _half(w, HI: tl.constexpr):
 
 
 @triton.jit
-def _channel_words(ptr, pw):
-    """FP32 per-channel parameters [..., 2, 2, 2] (in _unit_codes' order) of the fp16 table ptr
-    for code words whose first pair word is pw [...] (4 pairs, 8 channels per code word): four
-    4-byte loads of pw's shape. Smaller than the program's threads, they are no layout anchor:
-    they take the code tile's layout instead of converting the tile's products every tile."""
-    words = ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw
-    w0 = tl.load(words)
-    w1 = tl.load(words + 1)
-    w2 = tl.load(words + 2)
-    w3 = tl.load(words + 3)
-    # channel 4x + 2y + z of the code word: pair word 2x + y, half z
-    return tl.join(tl.join(tl.join(_half(w0, False), _half(w2, False)), tl.join(_half(w1, False), _half(w3, False))),
-                   tl.join(tl.join(_half(w0, True), _half(w2, True)), tl.join(_half(w1, True), _half(w3, True))))
+def _pair(ptr, pw, K: tl.constexpr):
+    """FP32 per-channel parameters of channels 2K and 2K + 1 of code words whose first pair word in
+    the fp16 table ptr is pw [...]: one 4-byte load of pw's shape (smaller than the program's
+    threads, no layout anchor: it takes the code tile's layout)."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw + K)
+    return _half(w, False), _half(w, True)
 
 
 @triton.jit
@@ -92,15 +78,28 @@ def _group_params(ptr, r, g, NG: tl.constexpr, rmask=None):
 
 
 @triton.jit
-def _chan_sum(x):
-    """Sums over the channels of x [NG, LANES, NREP, WG, 2, 2, 2]: [LANES, NREP]."""
-    return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(x, 6), 5), 4), 3), 0)
+def _dot_words(s, c, k0, k1, k2, k3, k4, k5, k6, k7, ONE):
+    """s + sum_n k_n u_n over the 8 nibbles n of code words c: one FMA chain per word."""
+    s += k0 * _unit(c, 0, ONE)
+    s += k1 * _unit(c, 1, ONE)
+    s += k2 * _unit(c, 2, ONE)
+    s += k3 * _unit(c, 3, ONE)
+    s += k4 * _unit(c, 4, ONE)
+    s += k5 * _unit(c, 5, ONE)
+    s += k6 * _unit(c, 6, ONE)
+    s += k7 * _unit(c, 7, ONE)
+    return s
 
 
 @triton.jit
-def _par_sum(x):
-    """Sum of per-channel values x [NG, 1, 1, WG, 2, 2, 2]: a scalar."""
-    return tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(tl.sum(x, 6), 5), 4), 3), 2), 1), 0)
+def _k_params(q16, qq, scale, mn, pk, K: tl.constexpr):
+    """Channels 2K, 2K + 1 of a code word: their folded scales 16 q scale and their share
+    q min - 16 q scale of the word's bias."""
+    s0, s1 = _pair(scale, pk, K)
+    m0, m1 = _pair(mn, pk, K)
+    a = q16[0] * s0
+    b = q16[1] * s1
+    return a, b, qq[0] * m0 + qq[1] * m1 - a - b
 
 
 @triton.jit
@@ -119,15 +118,17 @@ def _decode_bulk_kernel(
     stored end. There every position holds its base and residual j (1 <= j <= DEPTH) is present
     exactly where rows_j >= 0: no per-token resolution, no data-dependent branch.
 
-    In the code domain: codes become u = 1 + code/16 (_unit_codes: no int -> float conversion)
-    and the affine parameters leave the per-code work. K: q . k = sum_c qs_c u_c + bias with
-    qs = 16 q scale_c (per tile) and bias = q . (min - 16 scale) (one scalar per tile), q in the
-    exp2 domain (scale * log2 e folded in). V: p v_c = (16 p scale_g) u_c + p (min_g - 16 scale_g)
-    per token and group: one FMA per code, the minima per group. A tile is [NREP, LANES] keys
-    (key rep * LANES + lane); online softmax per lane, reduced over the NREP keys a thread holds,
-    and merged across lanes once per split. Partials (m in natural-log units) in _attn_kernel's
-    layout for _combine_kernel; NTAIL: _attn_kernel's programs after these (NSTORED + NTAIL
-    partials per row). The attention of the exact reconstruction up to FP32 rounding."""
+    In the code domain: codes become u = 1 + code/16 (_unit: no int -> float conversion) and the
+    affine parameters leave the per-code work. K: q . k = sum_c ks_c u_c + bias with ks = 16 q
+    scale_c (per tile) and bias = q . (min - 16 scale) (per code word and tile, the start of the
+    word's FMA chain), q in the exp2 domain (scale * log2 e folded in). V: p v_c = (16 p scale_g)
+    u_c + p (min_g - 16 scale_g) per token and group: one FMA per code, the minima per group. Each
+    of a word's 8 nibbles is its own tensor (FMA chains, no join trees). A tile is [NREP, LANES]
+    keys (key rep * LANES + lane); online softmax per lane, reduced over the NREP keys a thread
+    holds, and merged across lanes once per split. Partials (m in natural-log units) in
+    _attn_kernel's layout for _combine_kernel; NTAIL: _attn_kernel's programs after these
+    (NSTORED + NTAIL partials per row). The attention of the exact reconstruction up to FP32
+    rounding."""
     W: tl.constexpr = D // 8  # int32 code words per row
     NG: tl.constexpr = D // G
     WG: tl.constexpr = W // NG  # words per V group
@@ -153,13 +154,24 @@ def _decode_bulk_kernel(
     ii = tl.arange(0, WG)[None, None, None, :]
     word = gg * WG + ii  # [NG, 1, 1, WG]: word of the row
     pw = 4 * word  # its first K parameter pair word in a block
-    # q by nibble (8 loads of code words' shape, _unit_codes' order) like the K parameters
+    # q by nibble n (channel 8 word + n), in loads of the code words' shape like the K parameters
     qc = q + b * sq_b + h * sq_h + (8 * word) * sq_d
-    qq = tl.join(tl.join(tl.join(tl.load(qc), tl.load(qc + 4 * sq_d)), tl.join(tl.load(qc + 2 * sq_d), tl.load(qc + 6 * sq_d))),
-                 tl.join(tl.join(tl.load(qc + sq_d), tl.load(qc + 5 * sq_d)),
-                         tl.join(tl.load(qc + 3 * sq_d), tl.load(qc + 7 * sq_d)))).to(tl.float32) * qk
-    q16 = qq * 16.0
-    acc = tl.zeros([NG, LANES, WG, 2, 2, 2], tl.float32)
+    q0 = tl.load(qc).to(tl.float32) * qk
+    q1 = tl.load(qc + sq_d).to(tl.float32) * qk
+    q2 = tl.load(qc + 2 * sq_d).to(tl.float32) * qk
+    q3 = tl.load(qc + 3 * sq_d).to(tl.float32) * qk
+    q4 = tl.load(qc + 4 * sq_d).to(tl.float32) * qk
+    q5 = tl.load(qc + 5 * sq_d).to(tl.float32) * qk
+    q6 = tl.load(qc + 6 * sq_d).to(tl.float32) * qk
+    q7 = tl.load(qc + 7 * sq_d).to(tl.float32) * qk
+    acc0 = tl.zeros([NG, LANES, WG], tl.float32)  # per nibble: channel 8 word + n
+    acc1 = tl.zeros([NG, LANES, WG], tl.float32)
+    acc2 = tl.zeros([NG, LANES, WG], tl.float32)
+    acc3 = tl.zeros([NG, LANES, WG], tl.float32)
+    acc4 = tl.zeros([NG, LANES, WG], tl.float32)
+    acc5 = tl.zeros([NG, LANES, WG], tl.float32)
+    acc6 = tl.zeros([NG, LANES, WG], tl.float32)
+    acc7 = tl.zeros([NG, LANES, WG], tl.float32)
     vb = tl.zeros([NG, LANES, 1], tl.float32)  # sum p (min - 16 scale) per group and lane
     m_l = tl.full([LANES], float("-inf"), tl.float32)  # log2 units
     l_l = tl.zeros([LANES], tl.float32)
@@ -177,21 +189,26 @@ def _decode_bulk_kernel(
         p2 = tile * BN + kr  # [LANES, NREP], int32: positions < S
         p = p2[None, :, :, None]
         pk = ((tile * BN) // G) * HD + pw  # the block's K parameter words
-        # K: q . k in the exp2 domain, sum_c ks_c u_c + sum_c (qq min_c - ks_c)
-        ks = q16 * _channel_words(kb_scale, pk)
-        bias = _par_sum(qq * _channel_words(kb_min, pk) - ks)
-        s = _chan_sum(ks * _unit_codes(tl.load(kb_words + p * W + word), ONE)) + bias
+        # K: q . k in the exp2 domain, per word sum_n ks_n u_n + sum_n (qq_n min_n - ks_n)
+        k0, k1, e0 = _k_params((16.0 * q0, 16.0 * q1), (q0, q1), kb_scale, kb_min, pk, 0)
+        k2, k3, e1 = _k_params((16.0 * q2, 16.0 * q3), (q2, q3), kb_scale, kb_min, pk, 1)
+        k4, k5, e2 = _k_params((16.0 * q4, 16.0 * q5), (q4, q5), kb_scale, kb_min, pk, 2)
+        k6, k7, e3 = _k_params((16.0 * q6, 16.0 * q7), (q6, q7), kb_scale, kb_min, pk, 3)
+        sw = _dot_words((e0 + e1) + (e2 + e3), tl.load(kb_words + p * W + word), k0, k1, k2, k3, k4, k5, k6, k7, ONE)
         for j in tl.static_range(1, DEPTH + 1):
             rj = tl.load(rows + ((j - 1) * B + b) * S + p2)
-            has = rj >= 0
-            gr = (tl.load(res_layout + j) + tl.where(has, rj, 0))[None, :, :, None]
+            has = (rj >= 0)[None, :, :, None]
+            gr = (tl.load(res_layout + j) + tl.where(rj >= 0, rj, 0))[None, :, :, None]
             pr = (((j - 1) * B + b) * H + h) * NB * D  # residual j's K parameter table
-            rs = q16 * _channel_words(k_res_scale + pr, pk)
-            rsum = _par_sum(rs)
-            rbias = _par_sum(qq * _channel_words(k_res_min + pr, pk))
-            # an absent row loads code words 0 (u = 1 everywhere): its sum_c rs_c is taken back
-            c = tl.load(kr_words + gr * W + word, mask=has[None, :, :, None], other=0)
-            s += _chan_sum(rs * _unit_codes(c, ONE)) + tl.where(has, rbias, 0.0) - rsum
+            k0, k1, e0 = _k_params((16.0 * q0, 16.0 * q1), (q0, q1), k_res_scale + pr, k_res_min + pr, pk, 0)
+            k2, k3, e1 = _k_params((16.0 * q2, 16.0 * q3), (q2, q3), k_res_scale + pr, k_res_min + pr, pk, 1)
+            k4, k5, e2 = _k_params((16.0 * q4, 16.0 * q5), (q4, q5), k_res_scale + pr, k_res_min + pr, pk, 2)
+            k6, k7, e3 = _k_params((16.0 * q6, 16.0 * q7), (q6, q7), k_res_scale + pr, k_res_min + pr, pk, 3)
+            # an absent row loads code words 0 (u = 1 everywhere): its sum_n ks_n is taken back
+            ksum = ((k0 + k1) + (k2 + k3)) + ((k4 + k5) + (k6 + k7))
+            c = tl.load(kr_words + gr * W + word, mask=has, other=0)
+            sw = _dot_words(sw + tl.where(has, (e0 + e1) + (e2 + e3), -ksum), c, k0, k1, k2, k3, k4, k5, k6, k7, ONE)
+        s = tl.sum(tl.sum(sw, 3), 0)  # [LANES, NREP]
         m_new = tl.maximum(m_l, tl.max(s, 1))  # the bulk has no masked key: s is finite
         alpha = tl.exp2(m_l - m_new)
         pe = tl.exp2(s - m_new[:, None])  # [LANES, NREP]
@@ -201,8 +218,17 @@ def _decode_bulk_kernel(
         p4 = pe[None, :, :, None]
         vsc = _group_params(vb_scale, p, gg, NG)
         wv = (16.0 * p4) * vsc  # [NG, LANES, NREP, 1]
-        y = wv[:, :, :, :, None, None, None] * _unit_codes(tl.load(vb_words + p * W + word), ONE)
+        c = tl.load(vb_words + p * W + word)
         vbt = p4 * (_group_params(vb_min, p, gg, NG) - 16.0 * vsc)
+        a3 = alpha[None, :, None]
+        acc0 = acc0 * a3 + tl.sum(wv * _unit(c, 0, ONE), 2)
+        acc1 = acc1 * a3 + tl.sum(wv * _unit(c, 1, ONE), 2)
+        acc2 = acc2 * a3 + tl.sum(wv * _unit(c, 2, ONE), 2)
+        acc3 = acc3 * a3 + tl.sum(wv * _unit(c, 3, ONE), 2)
+        acc4 = acc4 * a3 + tl.sum(wv * _unit(c, 4, ONE), 2)
+        acc5 = acc5 * a3 + tl.sum(wv * _unit(c, 5, ONE), 2)
+        acc6 = acc6 * a3 + tl.sum(wv * _unit(c, 6, ONE), 2)
+        acc7 = acc7 * a3 + tl.sum(wv * _unit(c, 7, ONE), 2)
         for j in tl.static_range(1, DEPTH + 1):
             rj = tl.load(rows + ((j - 1) * B + b) * S + p2)
             has = (rj >= 0)[None, :, :, None]
@@ -211,9 +237,15 @@ def _decode_bulk_kernel(
             rsc = _group_params(vr_scale, gr, gg, NG, has)
             wr = (16.0 * p4) * rsc
             c = tl.load(vr_words + gr * W + word, mask=has, other=0)
-            y += wr[:, :, :, :, None, None, None] * _unit_codes(c, ONE)
+            acc0 += tl.sum(wr * _unit(c, 0, ONE), 2)
+            acc1 += tl.sum(wr * _unit(c, 1, ONE), 2)
+            acc2 += tl.sum(wr * _unit(c, 2, ONE), 2)
+            acc3 += tl.sum(wr * _unit(c, 3, ONE), 2)
+            acc4 += tl.sum(wr * _unit(c, 4, ONE), 2)
+            acc5 += tl.sum(wr * _unit(c, 5, ONE), 2)
+            acc6 += tl.sum(wr * _unit(c, 6, ONE), 2)
+            acc7 += tl.sum(wr * _unit(c, 7, ONE), 2)
             vbt += p4 * (_group_params(vr_min, gr, gg, NG, has) - 16.0 * rsc)
-        acc = acc * alpha[None, :, None, None, None, None] + tl.sum(y, 2)
         vb = vb * alpha[None, :, None] + tl.sum(vbt, 2)
     prow = bh * NSPL + z
     one = tl.arange(0, 1)
@@ -221,11 +253,18 @@ def _decode_bulk_kernel(
     m_i = tl.max(m_l, 0)
     wl = tl.exp2(m_l - tl.where(m_i > float("-inf"), m_i, 0.0))
     l_i = tl.sum(l_l * wl, 0)
-    o = tl.sum((acc + vb[:, :, :, None, None, None]) * wl[None, :, None, None, None, None], 1)  # [NG, WG, 2, 2, 2]
     tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i * 0.6931471805599453)
     tl.store(part_ml + prow * 2 + 1 + one, tl.full([1], 0.0, tl.float32) + l_i)
-    ch = 8 * tl.arange(0, W)[:, None, None, None] + 4 * tl.arange(0, 2)[:, None, None] + 2 * tl.arange(0, 2)[:, None] + tl.arange(0, 2)
-    tl.store(part_acc + prow * D + tl.reshape(ch, [NG, WG, 2, 2, 2]), o)
+    w3 = wl[None, :, None]
+    out = part_acc + prow * D + 8 * (tl.arange(0, NG)[:, None] * WG + tl.arange(0, WG)[None, :])  # [NG, WG]: channel 8 word
+    tl.store(out, tl.sum((acc0 + vb) * w3, 1))
+    tl.store(out + 1, tl.sum((acc1 + vb) * w3, 1))
+    tl.store(out + 2, tl.sum((acc2 + vb) * w3, 1))
+    tl.store(out + 3, tl.sum((acc3 + vb) * w3, 1))
+    tl.store(out + 4, tl.sum((acc4 + vb) * w3, 1))
+    tl.store(out + 5, tl.sum((acc5 + vb) * w3, 1))
+    tl.store(out + 6, tl.sum((acc6 + vb) * w3, 1))
+    tl.store(out + 7, tl.sum((acc7 + vb) * w3, 1))
 
 
 @triton.jit
