@@ -1,5 +1,5 @@
 """The bulk decode kernel (_decode_bulk_kernel: split-K, scores and the PV product taken in the
-code domain on codes converted to 1 + code/16, no reconstructed K/V) against the ATen body, run
+code domain on codes converted to 1 + code/16 or 1 + code/256, no reconstructed K/V) against the ATen body, run
 by the interpreter.
 
 Without the compute-dtype rounding of the reconstruction, the code-domain form equals the

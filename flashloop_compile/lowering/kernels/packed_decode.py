@@ -29,15 +29,18 @@ def bulk_lanes(head_dim: int, block_n: int) -> int:
 
 
 @triton.jit
-def _unit(w, N: tl.constexpr, ONE):
-    """Nibble N of int32 code words w as FP32 1 + code/16: shifted to bits 19..22 (the top of the
-    mantissa) and ORed into 1.0f's bits (ONE, a runtime argument: with the mask, one LOP3), a
-    shift and a logic op per code, no int -> float conversion."""
-    if 4 * N <= 19:
-        x = w << (19 - 4 * N)
+def _unit_pair(w, K: tl.constexpr, ONE):
+    """Nibbles 2K and 2K + 1 of int32 code words w as FP32 1 + code/256 and 1 + code/16: one shift
+    puts nibble 2K + 1 at bits 19..22 (the top of the mantissa) and nibble 2K at bits 15..18, each
+    masked and ORed into 1.0f's bits (ONE, a runtime argument: with the mask, one LOP3): a shift
+    per two codes and a logic op per code, no int -> float conversion."""
+    if 8 * K <= 15:
+        x = w << (15 - 8 * K)
     else:
-        x = w >> (4 * N - 19)
-    return ((x & 0x00780000) | ONE).to(tl.float32, bitcast=True)
+        x = w >> (8 * K - 15)
+    lo = ((x & 0x00078000) | ONE).to(tl.float32, bitcast=True)
+    hi = ((x & 0x00780000) | ONE).to(tl.float32, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
@@ -79,22 +82,27 @@ def _group_params(ptr, r, g, NG: tl.constexpr, rmask=None):
 
 @triton.jit
 def _dot_words(s, c, k0, k1, k2, k3, k4, k5, k6, k7, ONE):
-    """s + sum_n k_n u_n over the 8 nibbles n of code words c: one FMA chain per word."""
-    s += k0 * _unit(c, 0, ONE)
-    s += k1 * _unit(c, 1, ONE)
-    s += k2 * _unit(c, 2, ONE)
-    s += k3 * _unit(c, 3, ONE)
-    s += k4 * _unit(c, 4, ONE)
-    s += k5 * _unit(c, 5, ONE)
-    s += k6 * _unit(c, 6, ONE)
-    s += k7 * _unit(c, 7, ONE)
+    """s + sum_n k_n u_n over the 8 nibbles n of code words c (_unit_pair's u): one FMA chain per
+    word."""
+    u0, u1 = _unit_pair(c, 0, ONE)
+    s += k0 * u0
+    s += k1 * u1
+    u2, u3 = _unit_pair(c, 1, ONE)
+    s += k2 * u2
+    s += k3 * u3
+    u4, u5 = _unit_pair(c, 2, ONE)
+    s += k4 * u4
+    s += k5 * u5
+    u6, u7 = _unit_pair(c, 3, ONE)
+    s += k6 * u6
+    s += k7 * u7
     return s
 
 
 @triton.jit
 def _k_params(q16, qq, scale, mn, pk, K: tl.constexpr):
-    """Channels 2K, 2K + 1 of a code word: their folded scales 16 q scale and their share
-    q min - 16 q scale of the word's bias."""
+    """Channels 2K, 2K + 1 of a code word: their folded scales (256 and 16) q scale and their share
+    q min - (256 and 16) q scale of the word's bias (q16: q times 256 and 16, _unit_pair's u)."""
     s0, s1 = _pair(scale, pk, K)
     m0, m1 = _pair(mn, pk, K)
     a = q16[0] * s0
@@ -118,12 +126,15 @@ def _decode_bulk_kernel(
     stored end. There every position holds its base and residual j (1 <= j <= DEPTH) is present
     exactly where rows_j >= 0: no per-token resolution, no data-dependent branch.
 
-    In the code domain: codes become u = 1 + code/16 (_unit: no int -> float conversion) and the
-    affine parameters leave the per-code work. K: q . k = sum_c ks_c u_c + bias with ks = 16 q
-    scale_c (per tile) and bias = q . (min - 16 scale) (per code word and tile, the start of the
-    word's FMA chain), q in the exp2 domain (scale * log2 e folded in). V: p v_c = (16 p scale_g)
-    u_c + p (min_g - 16 scale_g) per token and group: one FMA per code, the minima per group. Each
-    of a word's 8 nibbles is its own tensor (FMA chains, no join trees). A tile is [NREP, LANES]
+    In the code domain: codes become u = 1 + code/f, f = 256 for even nibbles and 16 for odd ones
+    (_unit_pair: a shift per two codes, no int -> float conversion) and the affine parameters
+    leave the per-code work. K: q . k = sum_c ks_c u_c + bias with ks = f q scale_c (per tile) and
+    bias = q . (min - f scale) (per code word and tile, the start of the word's FMA chain), q in
+    the exp2 domain (scale * log2 e folded in). V: p v_c = f (p scale_g) u_c + p (min_g - f
+    scale_g) per token and group: one FMA per code into acc (the factor f after the loop), the
+    minima per group. Each of a word's 8 nibbles is its own tensor (FMA chains, no join trees).
+    The even nibbles' 1 + code/256 costs about 4 bits of the FP32 sums (the constant part f q
+    scale that the bias takes back is 256x, not 16x, a code step). A tile is [NREP, LANES]
     keys (key rep * LANES + lane); online softmax per lane, reduced over the NREP keys a thread
     holds, and merged across lanes once per split. Partials (m in natural-log units) in
     _attn_kernel's layout for _combine_kernel; NTAIL: _attn_kernel's programs after these
@@ -172,7 +183,11 @@ def _decode_bulk_kernel(
     acc5 = tl.zeros([NG, LANES, WG], tl.float32)
     acc6 = tl.zeros([NG, LANES, WG], tl.float32)
     acc7 = tl.zeros([NG, LANES, WG], tl.float32)
-    vb = tl.zeros([NG, LANES, 1], tl.float32)  # sum p (min - 16 scale) per group and lane
+    # accs: sum_t p_t scale_tg u_tc (16x and 256x that for odd and even nibbles: nibble n's bias
+    # p (min - 16 scale) or p (min - 256 scale)), with per group and lane pm = sum p min and
+    # ps = sum p scale
+    pm = tl.zeros([NG, LANES, 1], tl.float32)
+    ps = tl.zeros([NG, LANES, 1], tl.float32)
     m_l = tl.full([LANES], float("-inf"), tl.float32)  # log2 units
     l_l = tl.zeros([LANES], tl.float32)
     kb_words = (k_base + bh * S * HD).to(tl.pointer_type(tl.int32), bitcast=True)
@@ -190,20 +205,20 @@ def _decode_bulk_kernel(
         p = p2[None, :, :, None]
         pk = ((tile * BN) // G) * HD + pw  # the block's K parameter words
         # K: q . k in the exp2 domain, per word sum_n ks_n u_n + sum_n (qq_n min_n - ks_n)
-        k0, k1, e0 = _k_params((16.0 * q0, 16.0 * q1), (q0, q1), kb_scale, kb_min, pk, 0)
-        k2, k3, e1 = _k_params((16.0 * q2, 16.0 * q3), (q2, q3), kb_scale, kb_min, pk, 1)
-        k4, k5, e2 = _k_params((16.0 * q4, 16.0 * q5), (q4, q5), kb_scale, kb_min, pk, 2)
-        k6, k7, e3 = _k_params((16.0 * q6, 16.0 * q7), (q6, q7), kb_scale, kb_min, pk, 3)
+        k0, k1, e0 = _k_params((256.0 * q0, 16.0 * q1), (q0, q1), kb_scale, kb_min, pk, 0)
+        k2, k3, e1 = _k_params((256.0 * q2, 16.0 * q3), (q2, q3), kb_scale, kb_min, pk, 1)
+        k4, k5, e2 = _k_params((256.0 * q4, 16.0 * q5), (q4, q5), kb_scale, kb_min, pk, 2)
+        k6, k7, e3 = _k_params((256.0 * q6, 16.0 * q7), (q6, q7), kb_scale, kb_min, pk, 3)
         sw = _dot_words((e0 + e1) + (e2 + e3), tl.load(kb_words + p * W + word), k0, k1, k2, k3, k4, k5, k6, k7, ONE)
         for j in tl.static_range(1, DEPTH + 1):
             rj = tl.load(rows + ((j - 1) * B + b) * S + p2)
             has = (rj >= 0)[None, :, :, None]
             gr = (tl.load(res_layout + j) + tl.where(rj >= 0, rj, 0))[None, :, :, None]
             pr = (((j - 1) * B + b) * H + h) * NB * D  # residual j's K parameter table
-            k0, k1, e0 = _k_params((16.0 * q0, 16.0 * q1), (q0, q1), k_res_scale + pr, k_res_min + pr, pk, 0)
-            k2, k3, e1 = _k_params((16.0 * q2, 16.0 * q3), (q2, q3), k_res_scale + pr, k_res_min + pr, pk, 1)
-            k4, k5, e2 = _k_params((16.0 * q4, 16.0 * q5), (q4, q5), k_res_scale + pr, k_res_min + pr, pk, 2)
-            k6, k7, e3 = _k_params((16.0 * q6, 16.0 * q7), (q6, q7), k_res_scale + pr, k_res_min + pr, pk, 3)
+            k0, k1, e0 = _k_params((256.0 * q0, 16.0 * q1), (q0, q1), k_res_scale + pr, k_res_min + pr, pk, 0)
+            k2, k3, e1 = _k_params((256.0 * q2, 16.0 * q3), (q2, q3), k_res_scale + pr, k_res_min + pr, pk, 1)
+            k4, k5, e2 = _k_params((256.0 * q4, 16.0 * q5), (q4, q5), k_res_scale + pr, k_res_min + pr, pk, 2)
+            k6, k7, e3 = _k_params((256.0 * q6, 16.0 * q7), (q6, q7), k_res_scale + pr, k_res_min + pr, pk, 3)
             # an absent row loads code words 0 (u = 1 everywhere): its sum_n ks_n is taken back
             ksum = ((k0 + k1) + (k2 + k3)) + ((k4 + k5) + (k6 + k7))
             c = tl.load(kr_words + gr * W + word, mask=has, other=0)
@@ -217,36 +232,47 @@ def _decode_bulk_kernel(
         # V: sum_t p_t v_tc = sum_t (16 p_t scale_tg) u_tc + sum_t p_t (min_tg - 16 scale_tg)
         p4 = pe[None, :, :, None]
         vsc = _group_params(vb_scale, p, gg, NG)
-        wv = (16.0 * p4) * vsc  # [NG, LANES, NREP, 1]
+        wv = p4 * vsc  # [NG, LANES, NREP, 1]
         c = tl.load(vb_words + p * W + word)
-        vbt = p4 * (_group_params(vb_min, p, gg, NG) - 16.0 * vsc)
+        pmt = p4 * _group_params(vb_min, p, gg, NG)
+        pst = wv
         a3 = alpha[None, :, None]
-        acc0 = acc0 * a3 + tl.sum(wv * _unit(c, 0, ONE), 2)
-        acc1 = acc1 * a3 + tl.sum(wv * _unit(c, 1, ONE), 2)
-        acc2 = acc2 * a3 + tl.sum(wv * _unit(c, 2, ONE), 2)
-        acc3 = acc3 * a3 + tl.sum(wv * _unit(c, 3, ONE), 2)
-        acc4 = acc4 * a3 + tl.sum(wv * _unit(c, 4, ONE), 2)
-        acc5 = acc5 * a3 + tl.sum(wv * _unit(c, 5, ONE), 2)
-        acc6 = acc6 * a3 + tl.sum(wv * _unit(c, 6, ONE), 2)
-        acc7 = acc7 * a3 + tl.sum(wv * _unit(c, 7, ONE), 2)
+        u0, u1 = _unit_pair(c, 0, ONE)
+        acc0 = acc0 * a3 + tl.sum(wv * u0, 2)
+        acc1 = acc1 * a3 + tl.sum(wv * u1, 2)
+        u2, u3 = _unit_pair(c, 1, ONE)
+        acc2 = acc2 * a3 + tl.sum(wv * u2, 2)
+        acc3 = acc3 * a3 + tl.sum(wv * u3, 2)
+        u4, u5 = _unit_pair(c, 2, ONE)
+        acc4 = acc4 * a3 + tl.sum(wv * u4, 2)
+        acc5 = acc5 * a3 + tl.sum(wv * u5, 2)
+        u6, u7 = _unit_pair(c, 3, ONE)
+        acc6 = acc6 * a3 + tl.sum(wv * u6, 2)
+        acc7 = acc7 * a3 + tl.sum(wv * u7, 2)
         for j in tl.static_range(1, DEPTH + 1):
             rj = tl.load(rows + ((j - 1) * B + b) * S + p2)
             has = (rj >= 0)[None, :, :, None]
             gr = (tl.load(res_layout + j) + tl.where(rj >= 0, rj, 0))[None, :, :, None]
             # an absent row loads parameters 0: no term
             rsc = _group_params(vr_scale, gr, gg, NG, has)
-            wr = (16.0 * p4) * rsc
+            wr = p4 * rsc
             c = tl.load(vr_words + gr * W + word, mask=has, other=0)
-            acc0 += tl.sum(wr * _unit(c, 0, ONE), 2)
-            acc1 += tl.sum(wr * _unit(c, 1, ONE), 2)
-            acc2 += tl.sum(wr * _unit(c, 2, ONE), 2)
-            acc3 += tl.sum(wr * _unit(c, 3, ONE), 2)
-            acc4 += tl.sum(wr * _unit(c, 4, ONE), 2)
-            acc5 += tl.sum(wr * _unit(c, 5, ONE), 2)
-            acc6 += tl.sum(wr * _unit(c, 6, ONE), 2)
-            acc7 += tl.sum(wr * _unit(c, 7, ONE), 2)
-            vbt += p4 * (_group_params(vr_min, gr, gg, NG, has) - 16.0 * rsc)
-        vb = vb * alpha[None, :, None] + tl.sum(vbt, 2)
+            u0, u1 = _unit_pair(c, 0, ONE)
+            acc0 += tl.sum(wr * u0, 2)
+            acc1 += tl.sum(wr * u1, 2)
+            u2, u3 = _unit_pair(c, 1, ONE)
+            acc2 += tl.sum(wr * u2, 2)
+            acc3 += tl.sum(wr * u3, 2)
+            u4, u5 = _unit_pair(c, 2, ONE)
+            acc4 += tl.sum(wr * u4, 2)
+            acc5 += tl.sum(wr * u5, 2)
+            u6, u7 = _unit_pair(c, 3, ONE)
+            acc6 += tl.sum(wr * u6, 2)
+            acc7 += tl.sum(wr * u7, 2)
+            pmt += p4 * _group_params(vr_min, gr, gg, NG, has)
+            pst += wr
+        pm = pm * a3 + tl.sum(pmt, 2)
+        ps = ps * a3 + tl.sum(pst, 2)
     prow = bh * NSPL + z
     one = tl.arange(0, 1)
     # merge the lanes: m_i is -inf (and l_i 0) for a split without tiles
@@ -256,15 +282,17 @@ def _decode_bulk_kernel(
     tl.store(part_ml + prow * 2 + one, tl.full([1], 0.0, tl.float32) + m_i * 0.6931471805599453)
     tl.store(part_ml + prow * 2 + 1 + one, tl.full([1], 0.0, tl.float32) + l_i)
     w3 = wl[None, :, None]
+    vb = pm - 16.0 * ps  # odd nibbles' bias, even nibbles': pm - 256 ps
+    vbl = pm - 256.0 * ps
     out = part_acc + prow * D + 8 * (tl.arange(0, NG)[:, None] * WG + tl.arange(0, WG)[None, :])  # [NG, WG]: channel 8 word
-    tl.store(out, tl.sum((acc0 + vb) * w3, 1))
-    tl.store(out + 1, tl.sum((acc1 + vb) * w3, 1))
-    tl.store(out + 2, tl.sum((acc2 + vb) * w3, 1))
-    tl.store(out + 3, tl.sum((acc3 + vb) * w3, 1))
-    tl.store(out + 4, tl.sum((acc4 + vb) * w3, 1))
-    tl.store(out + 5, tl.sum((acc5 + vb) * w3, 1))
-    tl.store(out + 6, tl.sum((acc6 + vb) * w3, 1))
-    tl.store(out + 7, tl.sum((acc7 + vb) * w3, 1))
+    tl.store(out, tl.sum((256.0 * acc0 + vbl) * w3, 1))
+    tl.store(out + 1, tl.sum((16.0 * acc1 + vb) * w3, 1))
+    tl.store(out + 2, tl.sum((256.0 * acc2 + vbl) * w3, 1))
+    tl.store(out + 3, tl.sum((16.0 * acc3 + vb) * w3, 1))
+    tl.store(out + 4, tl.sum((256.0 * acc4 + vbl) * w3, 1))
+    tl.store(out + 5, tl.sum((16.0 * acc5 + vb) * w3, 1))
+    tl.store(out + 6, tl.sum((256.0 * acc6 + vbl) * w3, 1))
+    tl.store(out + 7, tl.sum((16.0 * acc7 + vb) * w3, 1))
 
 
 @triton.jit
