@@ -2,6 +2,7 @@
 
     python benchmarks/bench_packed_decode.py [--batch 1 4] [--seq 8192 32768] [--depths 0 1 3]
                                              [--repeats 50] [--warmup 10]
+    python benchmarks/bench_packed_decode.py --loop1      # the bulk kernel and the loop-1 site, B1/B4 x 32K
 
 For each (B, S): a cache (1 layer, R=4 loops, H=16 kv heads = query heads, D=128, bf16) is
 filled with an S-1 token prompt (depths 0 and 1 dense, depths 2 and 3 for nested random 25% and
@@ -112,6 +113,72 @@ def packed_bytes(cache: PackedKVCache, B: int, p0: int, depth: int) -> int:
     return total
 
 
+def bulk_bytes(cache: PackedKVCache, B: int, p0: int, depth: int, block_n: int) -> int:
+    """Bytes _decode_bulk_kernel must read at ``depth``: per row and head, the codes and V
+    parameters of its bulk tiles (below every depth's flushed boundary and p0, whole tiles of
+    block_n), one K parameter block (min and scale) per tile's block, per residual the present
+    rows' codes, V parameters and K blocks, and the rows maps of the bulk."""
+    lay = cache.layers[0]
+    G, NG = cache.group_size, cache.head_dim // cache.group_size
+    total = 0
+    for b in range(B):
+        n = min(int(lay.flushed[b, : depth + 1].min()), p0) // block_n * block_n
+        per_head = n * (D + 2 * 2 * NG) + -(-n // G) * D * 2 * 2
+        maps = 0
+        for j in range(1, depth + 1):
+            has = cache.rows[j - 1, b, :n] >= 0
+            per_head += int(has.sum()) * (D + 2 * 2 * NG) + -(-n // G) * D * 2 * 2
+            maps += n * 4
+        total += (per_head + maps) * H
+    return total
+
+
+FLOOR_GBPS = 4200.0  # the H200's copy bandwidth (issue 31's byte floor)
+
+
+def loop1(args, l2) -> list[dict]:
+    """The loop-1 site of a decode step (one query row per kv head over the packed store) at each
+    (B, S, depth): checked against the ATen body, then the whole site replayed from a CUDA graph
+    (bulk + tail + combine, L2 flushed) and each kernel's device us from the profiler (eager, L2
+    flushed); the bulk kernel's bytes and its share of the 4.2 TB/s floor."""
+    rows = []
+    for S in args.seq:
+        for B in args.batch:
+            cache, step = fill_cache(B, S)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
+            scale = 1.0 / math.sqrt(D)
+            tensors = cache.op_tensors(0)
+            for depth in args.depths:
+                kd, vd, pd = step[depth]
+
+                def site(kd=kd, vd=vd, pd=pd, depth=depth):
+                    out = torch.empty_like(q)
+                    PA.launch_packed_attention(tensors, q, kd, vd, pd, pd, depth, scale, out)
+                    return out
+
+                ref = P.packed_attention_aten(q, kd, vd, pd, pd, depth, *tensors, scale)
+                torch.testing.assert_close(site().float(), ref.float(), atol=1e-2, rtol=1e-2)
+                site_us = statistics.median(_times(graph_of(site), args.repeats, args.warmup, l2)) * 1e3
+                kernels = kernel_us(site, 20, l2)
+                bulk_us = next((v for k, v in kernels.items() if "_decode_bulk_kernel" in k), float("nan"))
+                bn = PD.FAST_DECODE["block_n"] if depth == 0 else PD.FAST_DECODE["block_n_residual"]
+                nb = bulk_bytes(cache, B, S - 1, depth, min(bn, cache.group_size))
+                site_bytes = packed_bytes(cache, B, S - 1, depth)
+                r = {"batch": B, "seq": S, "depth": depth, "bulk_us": bulk_us, "bulk_bytes": nb,
+                     "bulk_floor_share": nb / (bulk_us * 1e-6) / 1e9 / FLOOR_GBPS, "site_us": site_us,
+                     "site_bytes": site_bytes, "site_floor_share": site_bytes / (site_us * 1e-6) / 1e9 / FLOOR_GBPS,
+                     "kernels_us": kernels, "fast_decode": dict(PD.FAST_DECODE)}
+                rows.append(r)
+                print(f"B={B} S={S} depth={depth}: bulk {bulk_us:.1f} us, {nb / 1e6:.1f} MB, "
+                      f"{100 * r['bulk_floor_share']:.1f}% of 4.2 TB/s | site (bulk + tail + combine, graph) "
+                      f"{site_us:.1f} us, {site_bytes / 1e6:.1f} MB, {100 * r['site_floor_share']:.1f}% | "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in kernels.items()), flush=True)
+            del cache
+            torch.cuda.empty_cache()
+    return rows
+
+
 def flush_l2(buf: torch.Tensor) -> None:
     buf.zero_()
 
@@ -127,11 +194,12 @@ def stats(times: list[float]) -> dict:
 
 SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's launch parameters
     ("generic", {"fast": False}),
-    # _decode_bulk_kernel (default bn32 w4 s3 x3); around it: tile, stages, waves, warps. sm_90
-    # compile (kernel_report): bn64 w4 spills at depth 3 (so only bn64 w8)
-    *[(f"fast bn{bn} w{w} s{st} x{wv}", {"tuning": {"block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}})
-      for bn, w, st, wv in ((16, 4, 3, 3), (32, 4, 2, 3), (32, 4, 3, 3), (32, 4, 4, 3), (32, 4, 3, 4), (32, 4, 3, 6),
-                            (32, 4, 3, 8), (64, 8, 3, 3))],
+    # _decode_bulk_kernel (default bn64 w1 s3 x8 at depth 0, bn32 at depths >= 1); around it: tile
+    # (at every depth), stages, waves (programs per SM), warps
+    *[(f"fast bn{bn} w{w} s{st} x{wv}", {"tuning": {"block_n": bn, "block_n_residual": bn, "num_warps": w,
+                                                    "num_stages": st, "waves": wv}})
+      for bn, w, st, wv in ((64, 1, 3, 8), (64, 1, 2, 8), (64, 1, 4, 8), (64, 1, 3, 4), (64, 1, 3, 16), (32, 1, 3, 8),
+                            (32, 1, 3, 16), (64, 2, 3, 8), (64, 2, 3, 4))],
     # FAST_DECODE tail_programs (default 4): the tail's per-token tiles over several programs per row
     *[(f"fast tail{n}", {"tuning": {"tail_programs": n}}) for n in (1, 2, 4, 8)],
     # packed_read (sparse decode under quantization), the generic kernel vs the bulk one: the whole
@@ -331,6 +399,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
     ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
+    ap.add_argument("--loop1", action="store_true", help="the bulk kernel and the whole loop-1 site instead "
+                    "(default shapes B 1 4 x 32K, depths 0 1)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="with --sweep: after each variant's timing, N eager calls under the profiler: device us per kernel")
     ap.add_argument("--variants", default="", help="with --sweep: only variants whose name contains this text, or is it "
@@ -343,6 +413,15 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     l2 = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    if args.loop1:
+        if args.seq == ap.get_default("seq"):
+            args.seq = [32768]
+        if args.depths == ap.get_default("depths"):
+            args.depths = [0, 1]
+        rows = loop1(args, l2)
+        with open(os.path.join(out_dir, "packed_loop1.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        return
     if args.sweep:
         def save(rows):
             with open(os.path.join(out_dir, "packed_sweep.json"), "w") as f:

@@ -122,6 +122,7 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
         "shfl": sum(v for k, v in ops.items() if k.startswith("SHFL")),
         "mma": sum(v for k, v in ops.items() if k.startswith(("HMMA", "HGMMA", "WGMMA"))),
         "loop": max((n for n, _ in loops), default=0),
+        "loop_mix": dict(loops[0][1]) if loops else {},  # the largest loop's opcodes (no modifiers)
         "loads": dict(sorted(loads.items())),
         "stores": dict(sorted(stores.items())),
     }

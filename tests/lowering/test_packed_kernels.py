@@ -49,7 +49,7 @@ def _positions(lengths):
 # launch costs per program and operation (minutes for the whole scenario), so a variant runs at
 # the data points that exercise its code rather than at every point of the scenario. Every
 # variant still runs at every depth it ran at (the fast decode and bulk read kernels take the
-# depth as a constexpr) and in both dtypes (the compute-dtype code: _round_to, HALF, the ring's
+# depth as a constexpr) and in both dtypes (the compute-dtype code: _round_to, the ring's
 # dtype), against the ATen body with the same tolerance; writes and cache checks are unchanged.
 #
 # Prefill (f == 0 at depth 0, f == 1 at depth 3): the default tiles at both. The tile-size variants (block_m 32 / 16, block_n_inflight 16) at
@@ -69,7 +69,7 @@ PREFILL_TILES = [dict(mode="prefill", tuning={"block_m": 32, "block_n_inflight":
 # elsewhere here: the fast kernel's second row (row offsets) and the FAST tail program over a
 # wrapped ring by the default launch at f == 2, _bulk_k / _bulk_v of a second row by the reads.
 DECODE_BOTH = [dict(num_splits=3), dict(num_splits=3, fast=False)]
-DECODE_F3 = [dict(tuning={"block_n": 16}), dict(num_splits=2, tuning={"num_stages": 1})]
+DECODE_F3 = [dict(tuning={"block_n": 16, "block_n_residual": 16}), dict(num_splits=2, tuning={"num_stages": 1})]
 # Reads (f == 1, after the prompt, and f == 4, at the end; every depth): the default read of the
 # whole history and the per-head read at both. The bulk read with 16-position tiles at f == 4
 # only, over the shifted run: there row 0's bulk is two blocks and row 1's one (f == 1: one block
@@ -237,7 +237,7 @@ def test_overflow_matches_aten():
     assert ck.overflow.item() == 1
 
 
-@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "num_stages": 1}], ids=["defaults", "bn16_stages1"])
+@pytest.mark.parametrize("tuning", [{}, {"block_n": 16, "block_n_residual": 16, "num_stages": 1}], ids=["defaults", "bn16_stages1"])
 def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
     # head_dim 128: two V groups per row, so a wrong group broadcast shows; residuals at depths
     # 1-2 on a nested subset (absent rows inherit), one decode token at each depth
@@ -246,7 +246,7 @@ def test_fast_decode_variants_with_two_v_groups_per_row(tuning):
 
 def test_decode_bulk_kernel_with_four_v_groups_per_row():
     # group 32 at head_dim 128: the bulk kernel's general (reshape) broadcast of V parameters
-    _fast_decode_case({"block_n": 16}, group=32)
+    _fast_decode_case({"block_n": 16, "block_n_residual": 16}, group=32)
 
 
 def _fast_decode_case(tuning, group):

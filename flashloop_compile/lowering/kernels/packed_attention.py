@@ -16,7 +16,9 @@ import triton.language as tl
 from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, stored_end
 from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _flushed_min, _geometry, _reconstruct, _round_to
-from flashloop_compile.lowering.kernels.packed_decode import FAST_DECODE, _combine_kernel, _decode_bulk_kernel, decode_splits
+from flashloop_compile.lowering.kernels.packed_decode import (
+    FAST_DECODE, FP32_ONE_BITS, _combine_kernel, _decode_bulk_kernel, bulk_lanes, decode_splits,
+)
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_attention", "inflight_bounds", "PACKED_PREFILL"]
@@ -336,15 +338,15 @@ def launch_packed_attention(
     if unknown:
         raise ValueError(f"unknown launch parameters {unknown}; known: {sorted({**FAST_DECODE, **PACKED_PREFILL})}")
     tune = {**FAST_DECODE, **(tuning or {})}
-    tune["block_n"] = min(tune["block_n"], G)
-    fast_fits = mode == "decode" and mrows == 1 and G % tune["block_n"] == 0 and not (D & (D - 1) or G % 2)
+    bnf = tune["block_n"] = min(tune["block_n"] if depth == 0 else tune["block_n_residual"], G)
+    pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
+    fast_fits = mode == "decode" and mrows == 1 and pow2(D) and pow2(G) and G >= 8 and pow2(bnf) and G % bnf == 0
     if fast is None:
         fast = fast_fits  # other shapes: the generic decode kernel
     elif fast and not fast_fits:
         raise ValueError(f"the fast decode path needs decode mode, one query row per kv head, a power-of-two head_dim "
-                         f"and an even group that block_n divides; got mode {mode}, {mrows} rows, head_dim {D}, "
+                         f"and group (>= 8) and a power-of-two block_n dividing the group; got mode {mode}, {mrows} rows, head_dim {D}, "
                          f"group {G}, block_n {tune['block_n']}")
-    bnf = tune["block_n"]
     stages = tune["num_stages"]
     bounds, stages_opt = p0, {}  # bounds: read by prefill's whole-row path only
     if mode == "decode":
@@ -393,10 +395,10 @@ def launch_packed_attention(
             c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
             c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
             c.rows, c.res_layout, part_ml, part_acc,
-            q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale),
+            q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale), FP32_ONE_BITS,
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth, NTAIL=ntail,
-            HALF=q.dtype != torch.float32, num_warps=tune["num_warps"],
+            D=D, G=G, BN=bnf, LANES=bulk_lanes(D, bnf), NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth,
+            NTAIL=ntail, num_warps=tune["num_warps"],
         )
         grid = (Bc * H, ntail, m_tiles)  # _attn_kernel takes splits NSTORED on only: the tail and in-flight keys
     wrap(_attn_kernel)[grid](

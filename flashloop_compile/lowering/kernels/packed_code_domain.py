@@ -1,6 +1,6 @@
 """Scores and PV products on the packed INT4 codes without reconstructing K/V (the "code domain"):
-q . (min + scale * code) as per-channel sums over the codes, shared by the packed decode bulk
-kernel (packed_decode.py) and the code-domain sparse reference (reference_attention.py).
+q . (min + scale * code) as per-channel sums over the codes, for the code-domain sparse reference
+(reference_attention.py).
 """
 
 from __future__ import annotations
@@ -39,30 +39,13 @@ def _code_units(w):
 
 
 @triton.jit
-def _code_values(w):
-    """The INT4 codes of int32 code words w [BN, D/8] as exact fp16 integers, [BN, D/8, 2, 2, 2] in
-    _code_units' order: a nibble pair masked into the mantissas of an fp16 pair 1024 (0x6400: the
-    pair reads 1024 + code, exact), one LOP3, then 1024 subtracted, one packed HADD2 per pair."""
-    m = 0x000F000F
-    e = 0x64006400
-    return tl.join(tl.join(_fp16_pairs((w & m) | e), _fp16_pairs(((w >> 8) & m) | e)),
-                   tl.join(_fp16_pairs(((w >> 4) & m) | e), _fp16_pairs(((w >> 12) & m) | e))) - 1024.0
-
-
-@triton.jit
-def _channel_params_fp16(ptr, pw, D: tl.constexpr):
-    """Per-channel parameters [1, D/8, 2, 2, 2] (in _code_units' order) of the fp16 table ptr from
-    pair word pw on, as stored: D/2 contiguous 32-bit words (128-bit loads), split as _word_pairs.
-    Fewer elements than a program's threads, they are no layout anchor: they take the code tile's
-    layout instead of converting it every tile."""
-    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw + tl.arange(0, D // 2)[None, :])
-    return _fp16_pairs(tl.reshape(w, [1, D // 8, 2, 2]))
-
-
-@triton.jit
 def _channel_params(ptr, pw, D: tl.constexpr):
-    """_channel_params_fp16 in FP32."""
-    return _channel_params_fp16(ptr, pw, D).to(tl.float32)
+    """FP32 per-channel parameters [1, D/8, 2, 2, 2] (in _code_units' order) of the fp16 table ptr
+    from pair word pw on, as stored: D/2 contiguous 32-bit words (128-bit loads), split as
+    _word_pairs. Fewer elements than a program's threads, they are no layout anchor: they take
+    the code tile's layout instead of converting it every tile."""
+    w = tl.load(ptr.to(tl.pointer_type(tl.int32), bitcast=True) + pw + tl.arange(0, D // 2)[None, :])
+    return _fp16_halves(tl.reshape(w, [1, D // 8, 2, 2]))
 
 
 @triton.jit
@@ -100,34 +83,19 @@ def _word_groups(ptr, r, D: tl.constexpr, G: tl.constexpr, rmask=None):
 
 @triton.jit
 def _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, blk, q24,
-                   b, h, B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr, HALF: tl.constexpr = False):
+                   b, h, B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr):
     """q . k [BN] of positions p (in K block blk) of the flushed bulk of row (b, h) without
     reconstructing k; pointers as _bulk_k's, q24: q * 2^24 in _code_units' order. With codes c
     in units of 2^-24 and the tile's K parameters its block's,
         q . k = q24 . (min_0 / 2^24 + sum_s scale_s c_s) + sum_{present s >= 1} q . min_s:
     one FMA per element and stream into x (the base is present everywhere: its minimum is the
     addend of its FMA), one reduction over channels per tile, and per residual a bias q . min_s
-    once per tile, dropped by absent rows (whose codes load as 0). HALF (FAST_DECODE["half"]):
-    k = min_0 + sum_s scale_s c_s in fp16 instead (_code_values, one packed FMA per channel pair
-    and stream with the parameters as stored, rounded to fp16 per stream: 3 bits finer than a
-    bf16 K), then q . k in FP32; the residual minima stay the per-tile bias."""
+    once per tile, dropped by absent rows (whose codes load as 0)."""
     W: tl.constexpr = D // 8
     words = tl.arange(0, W)[None, :]
     pw = blk * (D // 2)  # the block's parameters
     kb_words = kb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
     kr_words = kr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    if HALF:
-        qn = q24 * (1.0 / 16777216.0)
-        k = tl.fma(_code_values(tl.load(kb_words + p[:, None] * W + words)), _channel_params_fp16(kb_scale, pw, D),
-                   _channel_params_fp16(kb_min, pw, D))
-        hbias = tl.zeros(p.shape, tl.float32)
-        for j in tl.static_range(1, DEPTH + 1):
-            has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
-            c = _code_values(tl.load(kr_words + g[:, None] * W + words, mask=has[:, None], other=0))
-            pk = (((j - 1) * B + b) * H + h) * NB * D
-            k = tl.fma(c, _channel_params_fp16(k_res_scale + pk, pw, D), k)
-            hbias += tl.where(has, _row_sums(qn * _channel_params(k_res_min + pk, pw, D)), 0.0)
-        return _row_sums(k.to(tl.float32) * qn) + hbias
     x = (_code_units(tl.load(kb_words + p[:, None] * W + words)) * _channel_params(kb_scale, pw, D)
          + _channel_params(kb_min, pw, D) * (1.0 / 16777216.0))
     bias = tl.zeros(p.shape, tl.float32)
@@ -138,36 +106,3 @@ def _linear_scores(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale,
         x += c * _channel_params(k_res_scale + pk, pw, D)
         bias += tl.where(has, _row_sums(q24 * _channel_params(k_res_min + pk, pw, D)), 0.0)
     return _row_sums(x * q24) + bias * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _linear_pv(y, yb, vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, pr, b, B, S,
-               D: tl.constexpr, G: tl.constexpr, DEPTH: tl.constexpr):
-    """y [BN, D/8, 2, 2, 2] (_code_units' order) and yb [BN, D/8] plus the values of positions p
-    of the flushed bulk weighted by pr [BN, 1], without reconstructing v; pointers as _bulk_v's.
-    Per stream, pr (min_g + scale_g code) = pr min_g + w_g code with w = pr * scale per token and
-    group: y takes one FMA per element and stream (a code word lies in one group: w is loaded per
-    word and broadcast over its channels, no select), yb the minima per word. Per-row partials:
-    the caller rescales them per tile and sums the rows (y + yb) once per split. An absent
-    residual loads codes and minima 0 (its scale then multiplies nothing)."""
-    W: tl.constexpr = D // 8
-    words = tl.arange(0, W)[None, :]
-    pr24 = pr * 16777216.0  # the codes come as code * 2^-24
-    mn = _word_groups(vb_min, p, D, G)
-    w = pr24 * _word_groups(vb_scale, p, D, G)
-    vb_words = vb_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    y += _code_units(tl.load(vb_words + p[:, None] * W + words)) * w[:, :, None, None, None]
-    vr_words = vr_codes.to(tl.pointer_type(tl.int32), bitcast=True)
-    for j in tl.static_range(1, DEPTH + 1):
-        has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
-        mn += _word_groups(vr_min, g, D, G, has)
-        w = pr24 * _word_groups(vr_scale, g, D, G)
-        c = _code_units(tl.load(vr_words + g[:, None] * W + words, mask=has[:, None], other=0))
-        y += c * w[:, :, None, None, None]
-    return y, yb + pr * mn
-
-
-@triton.jit
-def _fp16_pairs(c):
-    """The low and high 16-bit halves of int32 words c as fp16 (bit patterns), [..., 2]."""
-    return tl.join(c.to(tl.uint16), (c >> 16).to(tl.uint16)).to(tl.float16, bitcast=True)

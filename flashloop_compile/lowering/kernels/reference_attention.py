@@ -255,7 +255,7 @@ def _pv_linear_kernel(
 ):
     """_pv_kernel for one query row per kv head (row = b * HKV + hk) and one fraction over a
     packed history: slot 0 (every key: O_ref) and slot 1 (the selection: C_ref, mass) share one
-    pass over V; the keys below lo[b] in the code domain (as the linear decode's _linear_pv: one
+    pass over V; the keys below lo[b] in the code domain (one
     code conversion, then one FMA per element and slot; V's minima per row and group), the rest
     from the buffer v_ptr [B, HKV, NW, D]. The probabilities are normalized: no rescaling.
     Partials in _pv_kernel's layout for _pv_combine_kernel."""
