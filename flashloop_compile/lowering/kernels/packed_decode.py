@@ -335,6 +335,8 @@ def decode_splits(batch: int, kv_heads: int, m_tiles: int, max_seq: int, block_n
 # scripts/kernel_report.py); one warp per program (the per-tile parameter work shared by more
 # keys per thread: 68% of copy bandwidth at 1 warp, 55% at 2, 42% at 4 in a plain-Triton probe of
 # this format on the H200); 3 cp.async stages; waves: programs per SM the splits aim at (1056
-# programs at B1 x 32K, 1024 at B4). tail_programs: the tail's 2-5 per-token tiles spread over 4
-# programs per row (_attn_kernel 13.0 / 13.4 us at B1 / B4 x 32K against 21.6 / 21.8 with one).
+# programs at B1 x 32K, 1024 at B4). On the H200 at 32K, depth 0: the bulk 43.4 / 122.6 us at
+# B1 / B4, 41% / 59% of 4.2 TB/s (bench_packed_decode.py --loop1, 2026-12-03, 612d9ea).
+# tail_programs: the tail's 2-5 per-token tiles spread over 4 programs per row (_attn_kernel 13.1 /
+# 13.7 us at B1 / B4 x 32K, same run; 21.6 / 21.8 with one program, measured with the 4-warp bulk).
 FAST_DECODE = {"block_n": 64, "block_n_residual": 32, "num_warps": 1, "num_stages": 3, "waves": 8, "tail_programs": 4}
