@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTH
 OUT=${OUT:-out/ncu}
 mkdir -p "$OUT"
 KERNELS=${KERNELS:-_decode_bulk_kernel|_scores_linear_kernel|_pv_linear_kernel|_read_bulk_kernel|_correction_kernel}
-VARIANTS=${VARIANTS:-=fast linear bn32 w4 s3 x4|=reference linear|=correction read then correct}
+VARIANTS=${VARIANTS:-=fast bn64 w1 s3 x8|=reference linear|=correction read then correct}
 STALLS="long_scoreboard barrier short_scoreboard math_pipe_throttle wait not_selected selected mio_throttle lg_throttle
         dispatch_stall no_instruction branch_resolving imc_miss drain membar sleeping tex_throttle"
 METRICS=$(for s in $STALLS; do printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' "$s"; done)
