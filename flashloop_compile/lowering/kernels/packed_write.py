@@ -75,14 +75,12 @@ def _write_flush_kernel(
     # the rows the groups before its range allocate (depth > 0 allocates residual rows in order)
     n_groups = (T_new - F + G - 1) // G  # F, T_new: multiples of G (max_seq is one)
     c = tl.program_id(2)
-    g_lo = (c * n_groups) // NCH
-    s = F + g_lo * G
+    g_start = F + (c * n_groups) // NCH * G  # this program's range: g_start .. s_end
     s_end = F + ((c + 1) * n_groups) // NCH * G
     # The groups before this program's range are scanned too, only to count the rows they
     # allocate. The group's bookkeeping is written out here, not in a helper: torch's wrap_triton
     # analysis takes a store whose address depends on a call's result as a store through every
     # pointer the call was given (positions, skey, depth_count: then cloned on every launch).
-    g_start = s
     s = F
     while s < s_end:
         # the G positions p of the group at s: each one's index in this call's positions (idx,
