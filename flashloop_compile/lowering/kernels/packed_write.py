@@ -3,9 +3,9 @@
 - ``_write_flush_kernel`` [B, H, ranges]: quantize the whole G-token blocks a write moves out of
   the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1);
   values of earlier calls come from the ring, values of this call from k/v (at p - first when the
-  call's positions are consecutive, else found by binary search). Each range of blocks first
-  counts the residual rows allocated before it. Writes the position -> row map (h == 0) and the
-  new counters to a scratch.
+  call's positions are consecutive, else found by binary search). At depth > 0 each range of
+  blocks first counts the residual rows allocated before it. Writes the position -> row map
+  (h == 0) and the new counters to a scratch.
 - ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
   ring; depth_count and the counters are committed (separate launch: the flush must read the ring
   before it is overwritten).
@@ -32,7 +32,7 @@ def _write_flush_kernel(
     k, v, positions, skey, contig, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
-    D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, NCH: tl.constexpr = 1,
+    NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, CB: tl.constexpr,
     RP: tl.constexpr = 4, ONE_TOKEN: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
@@ -71,17 +71,40 @@ def _write_flush_kernel(
     else:
         consecutive = tl.load(contig + b) != 0
     first = tl.load(positions + b * sp_b, mask=Tn > 0, other=-1)
-    # NCH programs per (b, h) split the row's groups into contiguous ranges; each first counts
-    # the rows the groups before its range allocate (depth > 0 allocates residual rows in order)
+    # NCH programs per (b, h) split the row's groups into contiguous ranges
     n_groups = (T_new - F + G - 1) // G  # F, T_new: multiples of G (max_seq is one)
     c = tl.program_id(2)
     g_start = F + (c * n_groups) // NCH * G  # this program's range: g_start .. s_end
     s_end = F + ((c + 1) * n_groups) // NCH * G
-    # The groups before this program's range are scanned too, only to count the rows they
-    # allocate. The group's bookkeeping is written out here, not in a helper: torch's wrap_triton
-    # analysis takes a store whose address depends on a call's result as a store through every
-    # pointer the call was given (positions, skey, depth_count: then cloned on every launch).
-    s = F
+    # Residual rows are allocated in position order: a range starts at the count of the rows the
+    # groups before it allocate. At depth 0 every position of a group is stored (row index =
+    # position); at depth > 0 the positions before the range are counted CB at a time. Written
+    # out here, not in a helper: torch's wrap_triton analysis takes a store whose address depends
+    # on a call's result as a store through every pointer the call was given.
+    if depth == 0:
+        row += g_start - F
+    else:
+        q = F
+        while q < g_start:
+            pq = q.to(tl.int64) + tl.arange(0, CB).to(tl.int64)
+            pm = pq < g_start
+            if consecutive:
+                loq = pq - first
+            else:
+                loq = tl.zeros([CB], tl.int64)
+                hiq = tl.zeros([CB], tl.int64) + Tn
+                for _ in tl.static_range(NSEARCH):
+                    open_ = loq < hiq
+                    mid = (loq + hiq) // 2
+                    kv = tl.load(skey + b * Tn + mid, mask=pm & open_ & (mid < Tn), other=0)
+                    loq = tl.where(open_ & (kv < pq), mid + 1, loq)
+                    hiq = tl.where(open_ & (kv >= pq), mid, hiq)
+            inq = pm & (loq >= 0) & (loq < Tn)
+            cpq = tl.load(positions + b * sp_b + tl.where(inq, loq, 0) * sp_t, mask=inq, other=-1)
+            dcq = tl.load(depth_count + b * S + pq, mask=pm, other=0).to(tl.int32)
+            row += tl.sum((pm & ((inq & (cpq == pq)) | (dcq > depth))).to(tl.int32), 0)
+            q += CB
+    s = g_start
     while s < s_end:
         # the G positions p of the group at s: each one's index in this call's positions (idx,
         # valid where inb), whether the call writes it (in_call), and whether the flush stores it
@@ -111,7 +134,7 @@ def _write_flush_kernel(
             dcv = tl.load(depth_count + b * S + p).to(tl.int32)
             act = in_call | (dcv > depth)
         n_act = tl.sum(act.to(tl.int32), 0)
-        if (s >= g_start) & (n_act > 0):
+        if n_act > 0:
             local = row + tl.cumsum(act.to(tl.int32), 0) - 1
             fits = act & (local < cap)
             if depth > 0:
@@ -227,15 +250,22 @@ def _write_tail_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-# Flush programs per (batch, head), each a contiguous range of the row's groups: 16 is the best of
-# bench_packed_prefill --sweep on the H200 (loop-2 write of a 4K / 8K prompt: 0.76 / 1.43 ms; 1
-# chunk 3.74 / 7.19, 64 chunks 1.11 / 1.58).
-PACKED_WRITE = {"chunks": 16}
+# Flush programs per (batch, head), each a contiguous range of groups_per_program of the row's
+# groups: a write of T tokens flushes fewer than T / G + 1 groups (the ring keeps under 2G
+# unflushed positions). At depth > 0 a range first counts the residual rows the groups before it
+# allocate, 1024 positions per step (32 steps at most at 32K).
+PACKED_WRITE = {"groups_per_program": 2}
+
+
+def flush_programs(tn, g: int):
+    """Flush programs per (batch, head) for a write of ``tn`` tokens (an int or a SymInt)."""
+    gpp = PACKED_WRITE["groups_per_program"]
+    return (tn + g * (gpp + 1) - 1) // (g * gpp)
 
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
     """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
-    ``chunks``: flush programs per (batch, head) (default PACKED_WRITE["chunks"])."""
+    ``chunks``: flush programs per (batch, head) (default flush_programs)."""
     c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, _, Tn, _ = k.shape
@@ -257,7 +287,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
     # traced by Inductor) must not be specialized: bound it by the static context instead
     nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
-    chunks = max(1, int(PACKED_WRITE["chunks"] if chunks is None else chunks))
+    chunks = flush_programs(Tn, G) if chunks is None else max(1, int(chunks))
     wrap(_write_flush_kernel)[(Bc, H, chunks)](
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
@@ -265,7 +295,8 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NSEARCH=nsearch, BT=128, NCH=chunks, RP=next_pow2(R), ONE_TOKEN=one_token, num_warps=8,
+        NCH=chunks, D=D, G=G, NSEARCH=nsearch, BT=128, CB=1024, RP=next_pow2(R), ONE_TOKEN=one_token,
+        num_warps=8,
     )
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
