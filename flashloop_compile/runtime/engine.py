@@ -199,8 +199,12 @@ class Engine:
     def restore(self, snapshot: bytes | str | os.PathLike | RowSnapshot, row: int) -> RowSnapshot:
         """Put a snapshot's request into row ``row`` (replacing what was there; other rows are
         untouched); its ``position`` and ``logits`` continue it. A snapshot of another config,
-        geometry, dtype or format version is an error before any byte is written."""
-        return restore_row(self.row_caches(), snapshot, row)
+        geometry, dtype or format version is an error before any byte is written. The returned
+        logits are on this engine's device."""
+        snap = restore_row(self.row_caches(), snapshot, row)
+        if snap.logits is not None:
+            snap.logits = snap.logits.to(self.device)
+        return snap
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
