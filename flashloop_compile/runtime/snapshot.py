@@ -206,9 +206,9 @@ def _device(caches: RowCaches) -> torch.device:
     return caches.packed.device if caches.packed is not None else caches.dense[0][0].device
 
 
-def _check_row(caches: RowCaches, row: int) -> None:
+def _check_row(caches: RowCaches, row: int, error: type[ValueError] = ValueError) -> None:
     if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < caches.max_batch:
-        raise SnapshotMismatchError(
+        raise error(
             f"row {row!r} is out of range: this cache has rows 0..{caches.max_batch - 1} (max_batch={caches.max_batch})"
         )
 
@@ -269,7 +269,7 @@ def restore_row(caches: RowCaches, snapshot: "RowSnapshot | bytes | str | os.Pat
     snapshot (its position and logits continue the request)."""
     snap = RowSnapshot.load(snapshot)
     _check_descriptor(caches, snap)
-    _check_row(caches, row)
+    _check_row(caches, row, SnapshotMismatchError)
     position = snap.position
     if position > caches.max_seq:
         raise SnapshotMismatchError(f"snapshot holds {position} tokens, this engine's max_seq is {caches.max_seq}: restore "

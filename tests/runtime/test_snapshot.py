@@ -249,3 +249,21 @@ def test_bytes_that_are_not_a_snapshot_are_an_error():
     target = _engine(tiny(), FlashLoopConfig())
     with pytest.raises(SnapshotMismatchError, match="not a flashloop_compile cache snapshot"):
         target.restore(b"\x00" * 64, 0)
+
+
+def test_a_snapshot_of_what_a_row_does_not_hold_is_an_error():
+    engine = _engine(tiny(), _config((True, True, True)))
+    _fill(engine, 0, 40)
+    with pytest.raises(ValueError, match=r"row 2 is out of range: this cache has rows 0..1"):
+        engine.snapshot(2, 40)
+    with pytest.raises(ValueError, match=r"position must be the row's token count in 1..max_seq=128, got 0"):
+        engine.snapshot(0, 0)
+    with pytest.raises(ValueError, match=r"logits must be the row's \[vocab_size=256\] logits, got shape \(2, 256\)"):
+        engine.snapshot(0, 40, logits=torch.zeros(2, 256))
+    engine.packed.layers[0].flushed[0, 0] = 48
+    with pytest.raises(ValueError, match=r"position=40 is behind row 0's cache, which has 48 tokens flushed"):
+        engine.snapshot(0, 40)
+    engine.packed.layers[0].flushed[0, 0] = 32
+    engine.packed.layers[1].row_count[0, 3] = 129
+    with pytest.raises(ValueError, match=r"row 0 overflowed its compact residual rows \(layer1, depth 3: 129 needed, capacity 128\)"):
+        engine.snapshot(0, 40)
