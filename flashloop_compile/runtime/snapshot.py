@@ -114,6 +114,7 @@ class RowSnapshot:
     def from_bytes(cls, data: bytes) -> "RowSnapshot":
         meta = _read_metadata(data)
         d = meta["descriptor"]
+        _check_version(d["format_version"])  # a later version may lay out the rest differently
         descriptor = SnapshotDescriptor(d["format_version"], d["config_hash"], CacheGeometry(**d["geometry"]), d["dtype"])
         tensors = _load_tensors(data)
         logits = tensors.pop("logits", None)
@@ -240,13 +241,17 @@ def snapshot_row(caches: RowCaches, row: int, position: int, logits: Tensor | No
     return RowSnapshot(caches.descriptor, position, tensors, host_logits)
 
 
+def _check_version(version: int) -> None:
+    if version != FORMAT_VERSION:
+        raise SnapshotMismatchError(
+            f"snapshot format version {version} is not readable here: this flashloop_compile reads version "
+            f"{FORMAT_VERSION}; take the snapshot again with this version"
+        )
+
+
 def _check_descriptor(caches: RowCaches, snap: RowSnapshot) -> None:
     got, want = snap.descriptor, caches.descriptor
-    if got.format_version != want.format_version:
-        raise SnapshotMismatchError(
-            f"snapshot format version {got.format_version} is not readable here: this flashloop_compile reads version "
-            f"{want.format_version}; take the snapshot again with this version"
-        )
+    _check_version(got.format_version)
     if got.config_hash != want.config_hash:
         raise SnapshotMismatchError(
             f"snapshot taken under FlashLoopConfig hash {got.config_hash}, this engine runs {want.config_hash}: restore it "

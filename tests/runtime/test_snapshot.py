@@ -245,10 +245,15 @@ def test_a_snapshot_that_does_not_fit_is_an_error_and_the_target_is_unchanged(ca
     assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
 
 
-def test_bytes_that_are_not_a_snapshot_are_an_error():
+def test_bytes_that_are_not_a_snapshot_or_of_a_later_layout_are_an_error():
+    from safetensors.torch import save
+
     target = _engine(tiny(), FlashLoopConfig())
     with pytest.raises(SnapshotMismatchError, match="not a flashloop_compile cache snapshot"):
         target.restore(b"\x00" * 64, 0)
+    later = save({"x": torch.zeros(1)}, metadata={"flashloop_snapshot": json.dumps({"descriptor": {"format_version": 2}})})
+    with pytest.raises(SnapshotMismatchError, match="snapshot format version 2 is not readable here"):
+        target.restore(later, 0)
 
 
 def test_a_snapshot_of_what_a_row_does_not_hold_is_an_error():
