@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_decode  # noqa: E402
 import bench_generate  # noqa: E402
+import bench_snapshot  # noqa: E402
 import common  # noqa: E402
 from common import capture_graph, compile_variant  # noqa: E402
 
@@ -254,3 +255,9 @@ def test_generate_plans_the_timed_decode_from_a_compiled_prefill(tmp_path, monke
     assert bench_generate.tokens_that_fit(256, 0.01, 10.0) == 256
     assert bench_generate.tokens_that_fit(256, 0.01, 1.2) == 101  # 1 + 1.2 / (0.01 x SAFETY 1.2)
     assert bench_generate.tokens_that_fit(256, 0.01, -80.0) == 2
+
+
+def test_snapshot_bench_on_cpu_moves_one_row_exactly_and_counts_its_bytes():
+    dense, packed = (bench_snapshot.measure("tiny", torch.float32, name, 192) for name in ("dense", "all_on"))
+    assert dense["row_bytes"] == 2 * 4 * 2 * 2 * 192 * 64 * 4  # K and V of R x N sites, H=2, 192 tokens, D=64, fp32
+    assert 0 < packed["row_bytes"] <= packed["encoded_bytes"] and dense["row_bytes"] <= dense["encoded_bytes"]

@@ -13,12 +13,18 @@ the same compiled code without a graph and says so; it never falls back to dense
 
 ``engine.warm_up(prompt_len)`` compiles (and on CUDA captures) ahead of the first request, with a
 progress bar on a terminal (``progress=``).
+
+A host engine that schedules requests itself drives the steps: ``prefill`` (rows 0..B-1),
+``decode`` (rows 0..B-1, a row it does not serve fed token 0 at position 0, as graph padding is),
+``snapshot(row, position)`` and ``restore(snapshot, row)`` to move one request's cache to another
+row, engine or process (runtime/snapshot.py).
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,6 +36,7 @@ from torch import Tensor
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedGeometry
 from flashloop_compile.runtime.packed_kv import PackedKVCache
+from flashloop_compile.runtime.snapshot import CacheGeometry, RowCaches, RowSnapshot, restore_row, snapshot_row
 from flashloop_compile.runtime.state import state_for_model
 
 __all__ = ["Engine", "Sampling", "GenerationResult", "BATCH_BUCKETS"]
@@ -167,6 +174,37 @@ class Engine:
                 out.update({f"packed.layer{layer}.{n}": t for n, t in zip(LAYER_TENSOR_NAMES, self.packed.layer_tensors(layer))})
             out.update({f"packed.{n}": t for n, t in zip(MODEL_TENSOR_NAMES, self.packed.model_tensors())})
         return out
+
+    # -- one request's cache ----------------------------------------------------------------------
+    def row_caches(self) -> RowCaches:
+        """This engine's caches as snapshot and restore see them (runtime/snapshot.py)."""
+        cfg, q = self.model.config, self.config.kv_residual_quantization
+        packed = self.packed is not None
+        geometry = CacheGeometry("packed" if packed else "dense", cfg.num_hidden_layers, cfg.num_loops,
+                                 cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size,
+                                 q.group_size if packed else None, q.tail if packed else None)
+        dense = [(c.k_cache, c.v_cache) for c in self.model.model.kv_caches if c.has_storage]
+        return RowCaches(self.config.hash(), geometry, next(self.model.parameters()).dtype, self.max_batch, self.max_seq,
+                         dense, self.packed)
+
+    def snapshot(self, row: int, position: int, *, logits: Tensor | None = None,
+                 path: str | os.PathLike | None = None) -> bytes | os.PathLike:
+        """Row ``row``'s cache (``position`` tokens: the next token's position) and, if given, the
+        logits [V] its next token is sampled from, as safetensors bytes (or written to ``path``,
+        returned). On CUDA the device is synchronized first: the bytes hold every write queued so
+        far, never a torn step."""
+        snap = snapshot_row(self.row_caches(), row, position, logits)
+        return snap.save(path) if path is not None else snap.to_bytes()
+
+    def restore(self, snapshot: bytes | str | os.PathLike | RowSnapshot, row: int) -> RowSnapshot:
+        """Put a snapshot's request into row ``row`` (replacing what was there; other rows are
+        untouched); its ``position`` and ``logits`` continue it. A snapshot of another config,
+        geometry, dtype or format version is an error before any byte is written. The returned
+        logits are on this engine's device."""
+        snap = restore_row(self.row_caches(), snapshot, row)
+        if snap.logits is not None:
+            snap.logits = snap.logits.to(self.device)
+        return snap
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
