@@ -16,7 +16,7 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_attention.py
 PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop) and the packed
-write with several flush programs per (batch, head) (PACKED_WRITE chunks). Self-check first: every attention variant against causal SDPA (2e-2).
+write with other counts of flush programs per (batch, head) (packed_write.flush_programs). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
 Without CUDA: a smoke run on tiny shapes through the ops' ATen bodies (numbers meaningless).
@@ -104,7 +104,7 @@ def main() -> None:
             for bm, bni, w, st in grid:
                 tuning = {"block_m": bm, "block_n_inflight": bni, "num_warps": w, "num_stages": st}
                 ops[f"packed bm{bm} bni{bni} w{w} s{st}"] = launched(tuning)
-            for chunks in (4, 16, 64):
+            for chunks in (16, 64, 256, 1024):
                 ops[f"packed_kv_write d0+d1 x{chunks}"] = write(1, chunks)
         ref = ops["sdpa_causal"]().float()
         for name in [n for n in ops if "attention" in n or n.startswith("packed bm")]:

@@ -6,6 +6,7 @@ only), with caches of prompt + `--headroom` positions; each configuration compil
 flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak memory per config.
 
     python benchmarks/bench_prefill.py --shapes 1x8192,1x32768 --deadline 480
+    python benchmarks/bench_prefill.py --shapes 1x32768 --configs all_on --profile 1   # device time per kernel family
 
 ``dense_causal`` is a reference, not the same model: the model's attention masks by position over
 the whole cache (SDPA with a boolean mask [B, 1, T, S]: PyTorch's masked kernel, 30.7 ms a site at
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Deadline, error_text, device, sync, capture_graph, compile_variant, cuda_time_ms, record  # noqa: E402
+from common import (  # noqa: E402
+    Deadline, capture_graph, compile_variant, cuda_time_ms, device, error_text, kernel_profile, print_profile, record, sync,
+)
 
 CONFIGS = {
     "dense": {},
@@ -80,6 +83,8 @@ def main() -> None:
                     help="trace with a dynamic token dimension (as the engine does); each shape is traced anyway")
     ap.add_argument("--headroom", type=int, default=256,
                     help="cache positions beyond the prompt (room for decode, as a serving cache has)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each config's timing, N more prefills under the profiler: time per kernel bucket")
     ap.add_argument("--deadline", type=float, default=480)
     ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke runs")
     args = ap.parse_args()
@@ -160,6 +165,7 @@ def main() -> None:
                 record("prefill", {"kind": "error", "shape": shape, "config": name, "error": error_text(e)})
                 continue
             ms = timing["median_ms"]
+            prof = kernel_profile(run, run, args.profile, ms) if args.profile else None
             if name == "dense":
                 dense_ms = ms
             if name == "dense_causal":
@@ -170,7 +176,10 @@ def main() -> None:
                 "speedup_vs_dense": (dense_ms / ms) if dense_ms else None,
                 "speedup_vs_dense_causal": (causal_ms / ms) if causal_ms else None, "peak_memory_gb": peak,
                 "trace_s": trace_s, "compile_s": compile_s, "report": str(report), **check,
+                **({"profile": prof} if prof else {}),
             })
+            if prof:
+                print_profile(name, shape, prof)
             del fn, graph, graph_inputs
         del gm, inputs
     print("done", flush=True)

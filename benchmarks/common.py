@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -255,3 +256,97 @@ def compile_variant(gm: torch.fx.GraphModule, example_inputs: list, options: Any
     with torch.no_grad():
         fn = make_backend(options, inner=inner)(copy.deepcopy(gm), example_inputs)
     return fn, time.perf_counter() - t0, last_report()
+
+
+# (bucket, name substrings), first match wins (case-insensitive): CUDA kernel names, and on CPU the
+# ops' names (flashloop::*_aten bodies, aten ops, Inductor's compiled graphs). SDPA first (flash's
+# split-KV combine kernel ends in _combine_kernel), then Inductor's fusions (named after the ops they
+# fuse: index_select, ...), the sparse kernels' combines before the packed one.
+BUCKETS = (
+    ("sdpa", ("flash_fwd", "fmha", "sdpa", "scaled_dot_product", "efficient_attention")),
+    ("inductor", ("triton_", "cpp_fused", "compiledfxgraph")),
+    ("correction", ("_correction", "correction_attention", "_read_attend_kernel", "correction_read_attend")),
+    ("ref_pv", ("_pv_kernel", "_pv_linear_kernel", "_pv_combine")),
+    ("ref_select", ("_select_first", "_select_level", "_select_compact")),
+    ("ref_scores", ("_scores_kernel", "_scores_linear_kernel", "_mma_scores_kernel", "_prep_kernel",
+                    "reference_attention", "mma_linear_scores")),
+    ("decode_bulk", ("_decode_bulk_kernel",)),
+    ("packed_attn", ("_attn_kernel", "packed_attention")),
+    ("packed_combine", ("_combine_kernel",)),
+    ("read_bulk", ("_read_bulk_kernel",)),
+    ("read", ("_read_kernel", "packed_read")),
+    ("write", ("packed_kv_write", "_write", "_flush")),
+    ("scan", ("scan_innermost", "cummax", "cummin")),
+    ("prefill_attn", ("_position_attention", "position_attention", "_prefill_attention")),
+    ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
+)
+
+
+def bucket(name: str) -> str:
+    """The BUCKETS entry of a kernel (or CPU op) name; "other" where none matches."""
+    low = name.lower()
+    return next((b for b, subs in BUCKETS if any(x in low for x in subs)), "other")
+
+
+def _profiled_us(step, n: int) -> dict[str, tuple[float, int]]:
+    """(microseconds, count) per name over ``n`` calls of ``step``: kernel device time on CUDA
+    (GPU copies of record_function ranges left out), op self time on CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        sync()
+    if cuda:
+        return {e.key: (e.device_time_total, e.count) for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.device_time_total > 0}
+    return {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0}
+
+
+def kernel_profile(replay, eager, n: int, step_ms: float) -> dict:
+    """Per-step time, share and launches of each bucket, of the top 15 names and of every glue kernel
+    (buckets "inductor" and "other") over ``n`` calls of
+    ``replay`` (the timed CUDA graph); ``eager`` (the compiled step, no graph) is profiled instead
+    where the replays show no kernels. ``step_ms``: the timed step, for the share the kernels cover."""
+    cuda = torch.cuda.is_available()
+    source, times = ("graph" if cuda else "cpu"), _profiled_us(replay, n)
+    if cuda and not times:
+        source, times = "eager (graph replay not traced)", _profiled_us(eager, n)
+    total = sum(us for us, _ in times.values())
+    if total <= 0:
+        what = "no kernel events (neither the graph replays nor an eager call traced)" if cuda else "no CPU op events"
+        return {"error": what, "replays": n}
+    per = defaultdict(lambda: [0.0, 0])
+    for name, (us, count) in times.items():
+        acc = per[bucket(name)]
+        acc[0] += us
+        acc[1] += count
+
+    def entry(us: float, count: int) -> dict:
+        return {"ms": us / n / 1e3, "share": us / total, "launches": count / n}
+
+    top = sorted(times.items(), key=lambda kv: -kv[1][0])[:15]
+    return {
+        "source": source, "time": "device" if cuda else "cpu_self", "replays": n,
+        "ms": total / n / 1e3, "share_of_step": total / n / 1e3 / step_ms,
+        "buckets": {b: entry(*v) for b, v in sorted(per.items(), key=lambda kv: -kv[1][0])},
+        "top": [{"name": name[:200], "bucket": bucket(name), **entry(*v)} for name, v in top],
+        # every kernel outside the named buckets (Inductor's generated ones, ATen's): the glue a
+        # config adds around its ops is only visible by name
+        "glue": [{"name": name[:200], "bucket": bucket(name), **entry(*v)}
+                 for name, v in sorted(times.items(), key=lambda kv: -kv[1][0]) if bucket(name) in ("inductor", "other")],
+    }
+
+
+def print_profile(name: str, shape: str, prof: dict) -> None:
+    """The profile's buckets as a short table under the config's row."""
+    if "error" in prof:
+        print(f"  profile {name} {shape}: {prof['error']}", flush=True)
+        return
+    print(f"  profile {name} {shape} ({prof['source']}, {prof['time']} time, {prof['replays']} replays): "
+          f"{prof['ms']:.3f} ms/step = {prof['share_of_step']:.0%} of the timed step", flush=True)
+    for b, e in prof["buckets"].items():
+        print(f"    {b:<15} {e['ms']:9.3f} ms {e['share']:6.1%} {e['launches']:7.1f} launches", flush=True)
