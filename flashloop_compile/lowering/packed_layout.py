@@ -101,9 +101,18 @@ class PackedGeometry:
 
 
 class TensorSpec(NamedTuple):
+    """A cache tensor's shape, dtype and initial value, and where one request's part of it lies:
+    its batch-slot axis (``row_axis``, None for a tensor every row shares) and the axis the row fills
+    as it grows (``extent_axis``), counted in ``extent`` units: "token" (positions), "block"
+    (G-token blocks), "ring" (tail slots, min(length, 2 * tail) in use) or "compact" (every depth's
+    compact residual rows, ``res_layout``); None: the whole row."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     fill: int = 0  # the value of a fresh (or fully reset) cache
+    row_axis: int | None = 0
+    extent_axis: int | None = None
+    extent: str | None = None
 
 
 def tensor_specs(g: PackedGeometry, res_rows: int, dtype: torch.dtype) -> dict[str, TensorSpec]:
@@ -114,26 +123,26 @@ def tensor_specs(g: PackedGeometry, res_rows: int, dtype: torch.dtype) -> dict[s
     NB, NG, CAPT = S // G, D // G, res_rows
     u8, f16, i32 = torch.uint8, PARAM_DTYPE, torch.int32
     return PackedTensors(
-        k_base=TensorSpec((B, H, S, D // 2), u8),
-        k_base_min=TensorSpec((B, H, NB, D), f16),
-        k_base_scale=TensorSpec((B, H, NB, D), f16),
-        v_base=TensorSpec((B, H, S, D // 2), u8),
-        v_base_min=TensorSpec((B, H, S, NG), f16),
-        v_base_scale=TensorSpec((B, H, S, NG), f16),
-        k_res=TensorSpec((B, H, CAPT, D // 2), u8),
-        k_res_min=TensorSpec((R - 1, B, H, NB, D), f16),
-        k_res_scale=TensorSpec((R - 1, B, H, NB, D), f16),
-        v_res=TensorSpec((B, H, CAPT, D // 2), u8),
-        v_res_min=TensorSpec((B, H, CAPT, NG), f16),
-        v_res_scale=TensorSpec((B, H, CAPT, NG), f16),
-        k_tail=TensorSpec((B, R, H, 2 * g.tail, D), dtype),
-        v_tail=TensorSpec((B, R, H, 2 * g.tail, D), dtype),
+        k_base=TensorSpec((B, H, S, D // 2), u8, extent_axis=2, extent="token"),
+        k_base_min=TensorSpec((B, H, NB, D), f16, extent_axis=2, extent="block"),
+        k_base_scale=TensorSpec((B, H, NB, D), f16, extent_axis=2, extent="block"),
+        v_base=TensorSpec((B, H, S, D // 2), u8, extent_axis=2, extent="token"),
+        v_base_min=TensorSpec((B, H, S, NG), f16, extent_axis=2, extent="token"),
+        v_base_scale=TensorSpec((B, H, S, NG), f16, extent_axis=2, extent="token"),
+        k_res=TensorSpec((B, H, CAPT, D // 2), u8, extent_axis=2, extent="compact"),
+        k_res_min=TensorSpec((R - 1, B, H, NB, D), f16, row_axis=1, extent_axis=3, extent="block"),
+        k_res_scale=TensorSpec((R - 1, B, H, NB, D), f16, row_axis=1, extent_axis=3, extent="block"),
+        v_res=TensorSpec((B, H, CAPT, D // 2), u8, extent_axis=2, extent="compact"),
+        v_res_min=TensorSpec((B, H, CAPT, NG), f16, extent_axis=2, extent="compact"),
+        v_res_scale=TensorSpec((B, H, CAPT, NG), f16, extent_axis=2, extent="compact"),
+        k_tail=TensorSpec((B, R, H, 2 * g.tail, D), dtype, extent_axis=3, extent="ring"),
+        v_tail=TensorSpec((B, R, H, 2 * g.tail, D), dtype, extent_axis=3, extent="ring"),
         flushed=TensorSpec((B, R), i32),
         row_count=TensorSpec((B, R), i32),
-        rows=TensorSpec((R - 1, B, S), i32, fill=-1),
-        depth_count=TensorSpec((B, S), u8),
-        res_layout=TensorSpec((2, R), i32),
-        overflow=TensorSpec((1,), i32),
+        rows=TensorSpec((R - 1, B, S), i32, fill=-1, row_axis=1, extent_axis=2, extent="token"),
+        depth_count=TensorSpec((B, S), u8, extent_axis=1, extent="token"),
+        res_layout=TensorSpec((2, R), i32, row_axis=None),
+        overflow=TensorSpec((1,), i32, row_axis=None),
     )._asdict()
 
 

@@ -123,8 +123,8 @@ class PackedKVCache:
         specs = tensor_specs(self.geometry, sum(caps), dtype)
 
         def alloc(name: str) -> Tensor:
-            shape, dt, fill = specs[name]
-            return torch.full(shape, fill, dtype=dt, device=self.device)
+            spec = specs[name]
+            return torch.full(spec.shape, spec.fill, dtype=spec.dtype, device=self.device)
 
         self.layers: list[PackedKVLayer] = [PackedKVLayer(*map(alloc, LAYER_TENSOR_NAMES)) for _ in range(num_layers)]
         self.rows, self.depth_count = alloc("rows"), alloc("depth_count")

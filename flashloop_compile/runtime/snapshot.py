@@ -31,7 +31,7 @@ from safetensors.torch import load as _load_tensors
 from safetensors.torch import save as _save_tensors
 from torch import Tensor
 
-from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES
+from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, tensor_specs
 from flashloop_compile.runtime.packed_kv import PackedKVCache
 
 __all__ = ["FORMAT_VERSION", "CacheGeometry", "SnapshotDescriptor", "RowSnapshot", "RowCaches", "SnapshotMismatchError",
@@ -39,20 +39,6 @@ __all__ = ["FORMAT_VERSION", "CacheGeometry", "SnapshotDescriptor", "RowSnapshot
 
 FORMAT_VERSION = 1
 _METADATA_KEY = "flashloop_snapshot"
-
-# packed tensors cut by the row's length: name -> (batch axis, sequence axis, unit of that axis)
-_BY_LENGTH = {
-    "k_base": (0, 2, "token"), "v_base": (0, 2, "token"), "v_base_min": (0, 2, "token"), "v_base_scale": (0, 2, "token"),
-    "k_base_min": (0, 2, "block"), "k_base_scale": (0, 2, "block"),
-    "k_res_min": (1, 3, "block"), "k_res_scale": (1, 3, "block"),
-    "rows": (1, 2, "token"), "depth_count": (0, 1, "token"),
-    "k_tail": (0, 3, "ring"), "v_tail": (0, 3, "ring"),  # slot = position % (2 * tail): min(position, 2 * tail) used
-}
-# packed tensors whose axis 2 holds every depth's compact residual rows (depth d: [off_d, off_d + CAP_d))
-_COMPACT = ("k_res", "v_res", "v_res_min", "v_res_scale")
-# packed tensors kept whole for the row
-_WHOLE = ("flushed", "row_count")
-
 
 class SnapshotMismatchError(ValueError):
     """A snapshot that does not fit the cache it is restored into (nothing was written)."""
@@ -169,25 +155,29 @@ class RowCaches:
         p = self.packed
         if p is None:
             return
-        blocks = -(-position // p.group_size)
-        extent = {"token": position, "block": blocks, "ring": min(position, 2 * p.tail)}
+        specs = tensor_specs(p.geometry, 0, p.dtype)  # where each tensor holds a row (the layout's axes)
+        extent = {"token": position, "block": -(-position // p.group_size), "ring": min(position, 2 * p.tail)}
 
-        def cut(name: str, t: Tensor) -> Tensor:
-            if name in _WHOLE:
-                return t[row]
-            batch, seq, unit = _BY_LENGTH[name]
-            return t.select(batch, row).narrow(seq - 1, 0, extent[unit])
+        def views(prefix: str, name: str, t: Tensor) -> Iterator[tuple[str, Tensor]]:
+            spec = specs[name]
+            if spec.row_axis is None:  # shared by every row (res_layout, overflow)
+                return
+            r = t.select(spec.row_axis, row)
+            axis = None if spec.extent_axis is None else spec.extent_axis - (spec.extent_axis > spec.row_axis)
+            if spec.extent == "compact":
+                for d, (off, n) in enumerate(zip(p.residual_offset, compact_rows[prefix]), start=1):
+                    yield f"packed.{prefix}.{name}.depth{d}", r.narrow(axis, off, n)
+            elif axis is None:
+                yield f"packed.{prefix}.{name}", r
+            else:
+                yield f"packed.{prefix}.{name}", r.narrow(axis, 0, extent[spec.extent])
 
         for layer in range(p.num_layers):
-            tensors = dict(zip(LAYER_TENSOR_NAMES, p.layer_tensors(layer)))
-            for name, t in tensors.items():
-                if name in _COMPACT:
-                    for d, (off, n) in enumerate(zip(p.residual_offset, compact_rows[f"layer{layer}"]), start=1):
-                        yield f"packed.layer{layer}.{name}.depth{d}", t[row, :, off : off + n]
-                else:
-                    yield f"packed.layer{layer}.{name}", cut(name, t)
-        yield "packed.rows", cut("rows", p.rows)
-        yield "packed.depth_count", cut("depth_count", p.depth_count)
+            for name, t in zip(LAYER_TENSOR_NAMES, p.layer_tensors(layer)):
+                yield from views(f"layer{layer}", name, t)
+        for name, t in zip(MODEL_TENSOR_NAMES, p.model_tensors()):
+            for key, view in views("model", name, t):
+                yield key.replace("packed.model.", "packed."), view
 
     def compact_rows(self, row: int) -> dict[str, list[int]]:
         """Per layer, the compact residual rows row ``row`` uses at depths 1..R-1 (its row_count)."""
