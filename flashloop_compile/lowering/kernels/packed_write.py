@@ -32,7 +32,7 @@ def _write_flush_kernel(
     k, v, positions, skey, contig, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
-    NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, BT: tl.constexpr, CB: tl.constexpr,
+    NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, CB: tl.constexpr,
     RP: tl.constexpr = 4, ONE_TOKEN: tl.constexpr = False,
 ):
     depth = depth_arg - _DEPTH_BIAS
@@ -45,15 +45,12 @@ def _write_flush_kernel(
     bh = b * H + h
     F = tl.load(flushed + b * R + depth)
     if depth == 0:
-        # length of the row = max valid position + 1 of this call
-        lmax = tl.full([BT], -1, tl.int64)
-        t0 = 0
-        while t0 < Tn:
-            t = t0 + tl.arange(0, BT)
-            pt = tl.load(positions + b * sp_b + t * sp_t, mask=t < Tn, other=-1)
-            lmax = tl.maximum(lmax, pt)
-            t0 += BT
-        L = tl.max(lmax, 0) + 1
+        # length of the row = max position + 1 of this call: the last of the running maxima skey,
+        # one load per program (not a pass over the call's positions in each of them)
+        if ONE_TOKEN:
+            L = tl.load(positions + b * sp_b) + 1
+        else:
+            L = tl.maximum(tl.load(skey + b * Tn + Tn - 1), -1) + 1
         target = tl.where(L >= G, ((L - G) // G) * G, 0).to(tl.int32)
     else:
         # up to where the previous depth stands (depth 0 set it from the row's full length)
@@ -295,7 +292,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        NCH=chunks, D=D, G=G, NSEARCH=nsearch, BT=128, CB=1024, RP=next_pow2(R), ONE_TOKEN=one_token,
+        NCH=chunks, D=D, G=G, NSEARCH=nsearch, CB=1024, RP=next_pow2(R), ONE_TOKEN=one_token,
         num_warps=8,
     )
     bt = 32
