@@ -67,12 +67,17 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"{path}: no such package (flashloop_compile.export writes one)")
-    with PT2ArchiveReader(str(path)) as reader:
-        name = next((n for n in reader.get_file_names() if n.endswith("/" + METADATA_FILE)), None)
-        if name is None:
-            raise ExportError(f"{path} is a .pt2 package without {METADATA_FILE}: it was not written by "
-                              "flashloop_compile.export; export the model with it")
-        return json.loads(reader.read_string(name))
+    try:
+        with PT2ArchiveReader(str(path)) as reader:
+            name = next((n for n in reader.get_file_names() if n.endswith("/" + METADATA_FILE)), None)
+            text = reader.read_string(name) if name is not None else None
+    except RuntimeError as e:  # not a PT2 archive at all
+        raise ExportError(f"{path} is not a .pt2 package ({e}): it was not written by flashloop_compile.export; "
+                          "export the model with it") from None
+    if text is None:
+        raise ExportError(f"{path} is a .pt2 package without {METADATA_FILE}: it was not written by "
+                          "flashloop_compile.export; export the model with it")
+    return json.loads(text)
 
 
 def _check(meta: dict[str, Any], path: Path, *, config: FlashLoopConfig | dict | None, device: Any,
