@@ -2,6 +2,11 @@
 
 ``torch.compile(model, backend="flashloop", options={...})`` with the flat dict of
 :class:`FlashLoopConfig` (or the object itself). All features are off by default.
+``export(model, config, "model.pt2", ...)`` writes the compiled prefill and decode programs to one
+AOTInductor package; ``load_exported("model.pt2")`` runs it without the model's Python code.
+
+The model classes (``OuroForCausalLM``, ...) are imported on first use, so a process that only
+loads an exported package never imports :mod:`flashloop_compile.models`.
 """
 
 from flashloop_compile.config import (
@@ -11,7 +16,8 @@ from flashloop_compile.config import (
     SparseDecodeAttention,
     TokenSparsePrefill,
 )
-from flashloop_compile.models.ouro import PRESETS, OuroConfig, OuroForCausalLM, Readout
+from flashloop_compile.exporter import export
+from flashloop_compile.runtime.exported import ExportError, ExportedModel, load_exported
 
 __all__ = [
     "ConfigError",
@@ -23,8 +29,23 @@ __all__ = [
     "OuroForCausalLM",
     "PRESETS",
     "Readout",
+    "export",
+    "load_exported",
+    "ExportError",
+    "ExportedModel",
 ]
 __version__ = "0.1.0"
+
+
+_MODEL_NAMES = ("PRESETS", "OuroConfig", "OuroForCausalLM", "Readout")
+
+
+def __getattr__(name: str):
+    if name in _MODEL_NAMES:
+        from flashloop_compile.models import ouro
+
+        return getattr(ouro, name)
+    raise AttributeError(f"module 'flashloop_compile' has no attribute {name!r}")
 
 
 def _register_backend() -> None:

@@ -1,4 +1,4 @@
-"""``flashloop-compile``: generate, inspect, memory, bench, train, eval, redundancy, calibrate.
+"""``flashloop-compile``: generate, inspect, memory, bench, export, train, eval, redundancy, calibrate.
 
 ``flashloop-compile generate`` is the project's main job: the checkpoint shipped with the
 repository (a small looped LM trained on Python stdlib source, byte tokens) continues a piece of
@@ -520,6 +520,32 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- export ------------------------------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """The compiled prefill and decode programs in one AOTInductor package (flashloop_compile.export)."""
+    from flashloop_compile.exporter import export
+    from flashloop_compile.runtime.engine import BATCH_BUCKETS
+
+    if not args.out.endswith(".pt2"):
+        raise CLIError(f"--out {args.out!r}: the package path must end in .pt2")
+    mcfg = _model_config(args)
+    _check_positions(f"--max-seq {args.max_seq}", args.max_seq, mcfg.max_position_embeddings)
+    buckets = _ints(args.batch_buckets) if args.batch_buckets else BATCH_BUCKETS
+    model = _load_model(args)
+    config = _config(args, default_all_on=True)
+    print(f"model: {_model_name(args)}, {str(_dtype(args)).removeprefix('torch.')} on {_device(args)}; flashloop: {_features(config)}")
+    print(f"exporting prefill (prompts {args.min_prompt}..{args.max_seq} tokens, batch {args.max_batch}) and decode "
+          f"(batch buckets {[b for b in buckets if b <= args.max_batch] or [args.max_batch]}): torch.export + AOTInductor "
+          "compile every program (minutes)")
+    t0 = time.perf_counter()
+    path = export(model, config, args.out, max_batch=args.max_batch, max_seq=args.max_seq, max_new_tokens=args.max_new_tokens,
+                  min_prompt=args.min_prompt, batch_buckets=buckets)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB) in {time.perf_counter() - t0:.1f} s; "
+          f"load it with flashloop_compile.load_exported({str(path)!r})")
+    return 0
+
+
 # -- parser and entry point ----------------------------------------------------------------------------------
 
 def _common(top_level: bool) -> argparse.ArgumentParser:
@@ -608,6 +634,18 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--meta", action=argparse.BooleanOptionalAction, default=None,
                    help="trace on the meta device (no weights allocated; default for the presets other than tiny)")
     i.set_defaults(func=cmd_inspect)
+
+    x = sub.add_parser("export", parents=[common],
+                       help="the compiled prefill and decode programs, weights and config in one AOTInductor .pt2 package")
+    model_args(x, default_source="checkpoint")
+    x.add_argument("--out", required=True, help="the package to write (a .pt2 file)")
+    x.add_argument("--max-batch", type=_positive_int, default=1, help="cache slots: the prefill batch and the largest decode bucket")
+    x.add_argument("--max-seq", type=_positive_int, default=1024, help="positions per slot: the longest prompt + new tokens")
+    x.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="sizes the packed cache's residual rows as the engine does (default: every position)")
+    x.add_argument("--min-prompt", type=_positive_int, default=2, help="the shortest prompt the prefill programs serve")
+    x.add_argument("--batch-buckets", help="decode batch buckets, comma-separated (default: the engine's 1,2,4,8,16,32 up to --max-batch)")
+    x.set_defaults(func=cmd_export)
     _add_quality_commands(sub, common)
     return p
 

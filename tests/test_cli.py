@@ -1,4 +1,4 @@
-"""The ``flashloop-compile`` command line: the main job, memory, bench, inspect, input errors."""
+"""The ``flashloop-compile`` command line: the main job, memory, bench, inspect, export, input errors."""
 
 from __future__ import annotations
 
@@ -217,11 +217,24 @@ def test_version_and_python_m(capsys):
     assert proc.stdout.splitlines()[1].split()[0] == "dense"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "model.zip"], r"--out 'model.zip': the package path must end in \.pt2"),
+    (["--out", "m.pt2", "--max-seq", "4096"], r"--max-seq 4096 is 4096 positions, past the model's max_position_embeddings=1024"),
+    (["--out", "m.pt2", "--min-prompt", "1"], r"export: min_prompt=1 must be in \[2, max_seq=1024\]"),
+])
+def test_export_errors_print_the_message(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(["export", "--preset", "tiny"] + argv, capsys)
+    assert code == 1
+    assert re.search(r"^flashloop-compile export: error: " + message, err, re.M), err
+
+
 def test_dtype_and_device_defaults_are_the_same_in_every_subcommand():
     from flashloop_compile.cli import build_parser
 
     parser = build_parser()
-    for argv in (["generate"], ["memory"], ["bench"], ["inspect"], ["eval"], ["redundancy"], ["calibrate"]):
+    for argv in (["generate"], ["memory"], ["bench"], ["inspect"], ["export", "--out", "m.pt2"], ["eval"], ["redundancy"],
+                 ["calibrate"]):
         args = parser.parse_args(argv)
         assert (args.dtype, args.device) == ("auto", "auto"), argv
 

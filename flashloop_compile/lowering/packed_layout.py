@@ -49,8 +49,12 @@ from flashloop_compile.reference.codec import PARAM_DTYPE
 
 __all__ = [
     "PackedTensors", "LAYER_TENSOR_NAMES", "MODEL_TENSOR_NAMES", "CACHE_NAMES", "PackedGeometry", "TensorSpec",
-    "tensor_specs", "res_layout", "PackedCache",
+    "tensor_specs", "res_layout", "PackedCache", "PACKED_LAYOUT_VERSION",
 ]
+
+# The version of this layout (names, order, shapes, dtypes, fills and the meaning of each tensor):
+# an exported package records it and the loader refuses another. Bump it with any change of those.
+PACKED_LAYOUT_VERSION = 1
 
 
 class PackedTensors(NamedTuple):
