@@ -397,7 +397,7 @@ def test_reuse_selected_probabilities_reuses_loop_2_probabilities(tiny_model):
         for st in layer:
             torch.testing.assert_close(st.probs.sum(-1), st.mass, rtol=1e-5, atol=1e-6)
             assert (st.probs[st.keys < 0] == 0).all()
-    # full key fraction: the output is loop 2's attention pattern over loop r's V, for every row
+    # full key fraction: S holds every visible key (m = 1), so loop r attends with loop 2's probabilities
     full = FlashLoopConfig.from_switches(
         False, True, False,
         **{"sparse_decode_attention.reuse_selected_probabilities": True, "sparse_decode_attention.key_fraction": [1.0]},
