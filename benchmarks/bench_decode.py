@@ -38,6 +38,9 @@ CONFIGS = {
     "quant": {"kv_residual_quantization.enabled": True},
     "sparse": {"sparse_decode_attention.enabled": True},
     "sparse+quant": {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True},
+    # loops 3..R reuse loop 2's probabilities over the selected keys: V only
+    "sparse+quant+reuse": {"sparse_decode_attention.enabled": True, "kv_residual_quantization.enabled": True,
+                           "sparse_decode_attention.reuse_selected_probabilities": True},
 }
 
 
@@ -49,6 +52,8 @@ def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: 
     dense_plane = 2 * b * heads * s * dim * 2  # K and V of one (loop, layer) in BF16
     packed_plane = dense_plane / 4 * (1 + 2 * 2 / 64)  # INT4 codes + FP16 min/scale per 64 values
     frac = conf.sparse_decode_attention.key_fraction[0] if conf.sparse_decode_attention.enabled else 1.0
+    if conf.sparse_decode_attention.reuse_selected_probabilities:
+        frac /= 2  # the corrections read V only
     total = 0.0
     for depth in range(loops):
         planes = depth + 1 if conf.kv_residual_quantization.enabled else 1

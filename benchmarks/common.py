@@ -265,7 +265,8 @@ def compile_variant(gm: torch.fx.GraphModule, example_inputs: list, options: Any
 BUCKETS = (
     ("sdpa", ("flash_fwd", "fmha", "sdpa", "scaled_dot_product", "efficient_attention")),
     ("inductor", ("triton_", "cpp_fused", "compiledfxgraph")),
-    ("correction", ("_correction", "correction_attention", "_read_attend_kernel", "correction_read_attend")),
+    ("correction", ("_correction", "correction_attention", "_read_attend_kernel", "correction_read_attend",
+                    "_reuse_combine", "_read_values_kernel", "reuse_read_values")),
     ("ref_pv", ("_pv_kernel", "_pv_linear_kernel", "_pv_combine")),
     ("ref_select", ("_select_first", "_select_level", "_select_compact")),
     ("ref_scores", ("_scores_kernel", "_scores_linear_kernel", "_mma_scores_kernel", "_prep_kernel",

@@ -120,11 +120,16 @@ class SparseDecodeAttention:
 
     key_fraction: fraction of the causal keys kept per (layer, query, head) at each sparse loop;
         one number for every sparse loop, or one per loop 3..R. k = ceil(fraction * causal_length).
+    reuse_selected_probabilities: loops 3..R reuse loop 2's probabilities over the selected keys
+        S, renormalized over S (p_S = P_ref[S] / m), with the loop's own V: C_new = m * (p_S @ V[r, S]);
+        they read no K and compute no score (the FlashLoop paper's engine option). Off: loop r's
+        own softmax over S (SPEC.md section 2).
     """
 
     enabled: bool = False
     reference_loop: int = 2
     key_fraction: tuple[float, ...] = (0.10,)
+    reuse_selected_probabilities: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -135,6 +140,12 @@ class SparseDecodeAttention:
         object.__setattr__(self, "key_fraction", _ratio_tuple("sparse_decode_attention.key_fraction", self.key_fraction))
         if not self.key_fraction:
             raise ConfigError("sparse_decode_attention.key_fraction must not be empty")
+        if self.reuse_selected_probabilities and not self.enabled:
+            raise ConfigError(
+                "sparse_decode_attention.reuse_selected_probabilities reuses sparse decode's loop-2 probabilities, "
+                "but sparse decode is off: set sparse_decode_attention.enabled=true or leave "
+                "reuse_selected_probabilities out"
+            )
 
     def fraction_at(self, loop: int) -> float:
         """Key fraction of a one-based sparse loop (>= reference_loop + 1)."""

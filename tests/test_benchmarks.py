@@ -128,6 +128,8 @@ def test_decode_profile_buckets_kernel_names():
         "_pv_kernel": "ref_pv", "_pv_combine_kernel": "ref_pv", "_correction_combine_kernel": "correction",
         "_scores_linear_kernel": "ref_scores", "_pv_linear_kernel": "ref_pv", "_correction_kernel": "correction",
         "_mma_scores_kernel": "ref_scores", "_prep_kernel": "ref_scores", "_read_attend_kernel": "correction",
+        "_reuse_correction_kernel": "correction", "_reuse_combine_kernel": "correction", "_read_values_kernel": "correction",
+        "flashloop::packed_reuse_correction_attention_aten": "correction",
         "void pytorch_flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128>>": "sdpa",
         "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "GEMM", "sm90_xmma_gemm_bf16bf16_bf16f32": "GEMM",
         "triton_poi_fused_index_select_0": "inductor", "triton_red_fused__to_copy_add_mean_1": "inductor",

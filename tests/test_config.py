@@ -171,6 +171,7 @@ def test_hash_differs_for_different_configs():
         "token_sparse_prefill.retention": [1, 1, 0.25, 0.2],
         "token_sparse_prefill.keep_last_token": True,
         "sparse_decode_attention.key_fraction": [0.2],
+        "sparse_decode_attention.reuse_selected_probabilities": True,
         "kv_residual_quantization.group_size": 32,
     }
     for key, value in variants.items():
@@ -277,6 +278,24 @@ def test_invalid_options_name_the_key(options, key):
     if group in GROUPS:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             FlashLoopConfig.from_dict({**options, f"{group}.enabled": True})
+
+
+def test_reuse_selected_probabilities_needs_sparse_decode():
+    on = FlashLoopConfig.from_dict(
+        {"sparse_decode_attention.enabled": True, "sparse_decode_attention.reuse_selected_probabilities": True}
+    )
+    assert on.sparse_decode_attention.reuse_selected_probabilities
+    assert not FlashLoopConfig.all_on().sparse_decode_attention.reuse_selected_probabilities  # off by default
+    assert "reuse_selected_probabilities=True" in str(on)
+    with pytest.raises(ConfigError) as info:
+        FlashLoopConfig.from_dict({"sparse_decode_attention.reuse_selected_probabilities": True})
+    msg = str(info.value)
+    assert "sparse_decode_attention.reuse_selected_probabilities" in msg and "sparse decode is off" in msg
+    assert "set sparse_decode_attention.enabled=true" in msg
+    with pytest.raises(ConfigError, match="must be true or false"):
+        FlashLoopConfig.from_dict(
+            {"sparse_decode_attention.enabled": True, "sparse_decode_attention.reuse_selected_probabilities": "yes"}
+        )
 
 
 def test_config_error_is_value_error():

@@ -45,6 +45,15 @@ k_res_scale, v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count``
   (``correction_read_attend``), without a BF16 copy of them; several query rows or heads per kv
   head run the read then the correction inside the op.
 
+Under ``sparse_decode_attention.reuse_selected_probabilities``:
+- ``packed_reference_attention_probs(<packed_reference_attention's arguments>)``: its outputs plus
+  the selected keys' probabilities (``reference_attention_probs``).
+- ``packed_reuse_correction_attention(keys, count, probs, o_ref, c_ref, inflight_positions,
+  v_inflight, depth, <cache>) -> out`` [B, Hq, T, D] compute dtype: ``reuse_correction_attention``
+  over the history as ``packed_read`` returns it at the selected keys (V only). Its CUDA body for
+  one query row per kv head reads the V planes of the selected keys and sums in registers
+  (``packed_read.launch_packed_read_values``); other shapes read the keys, then the dense op.
+
 Why depth d >= 1 flushes up to flushed[d-1] rather than from its own call's length: a write at
 depth d passes only the tokens active at d, whose last position can lie far before the prompt's
 end; the boundary of a step is the same for every depth (the reference flushes all depths of a
@@ -61,7 +70,9 @@ from torch import Tensor
 from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import stored_end, wrap_triton
 from flashloop_compile.reference.codec import dequantize, quantize
-from flashloop_compile.lowering.ops import _correction_attention_aten, _reference_attention_aten, reference_fake
+from flashloop_compile.lowering.ops import (
+    _correction_attention_aten, _reference_attention_aten, _reuse_correction_attention_aten, check_reuse_state, reference_fake,
+)
 from flashloop_compile.lowering.packed_layout import CACHE_NAMES, PackedCache, PackedGeometry, PackedTensors, tensor_specs
 
 __all__ = [
@@ -70,6 +81,8 @@ __all__ = [
     "packed_attention",
     "packed_reference_attention",
     "packed_correction_attention",
+    "packed_reference_attention_probs",
+    "packed_reuse_correction_attention",
     "selected_positions",
     "local_keys",
     "no_inflight",
@@ -79,6 +92,8 @@ __all__ = [
     "packed_attention_aten",
     "packed_reference_attention_aten",
     "packed_correction_attention_aten",
+    "packed_reference_attention_probs_aten",
+    "packed_reuse_correction_attention_aten",
 ]
 
 LIB = "flashloop"
@@ -176,6 +191,24 @@ def _reference_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest)
     whole = torch.empty(q.shape[0], S, dtype=torch.int64, device=q.device)
     k, _ = _read_fake(*cache, whole, depth, inflight_positions, k_inflight, v_inflight)
     return reference_fake(q, k, k, mask, scale, fractions, capacities)
+
+
+def _reference_probs_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
+    out = _reference_fake(q, inflight_positions, k_inflight, v_inflight, depth, *rest)
+    return out + (torch.empty(out[1].shape, dtype=torch.float32, device=q.device),)
+
+
+def _reuse_fake(keys, count, probs, o_ref, c_ref, inflight_positions, v_inflight, depth, *cache):
+    B, H, S, D, G, R, NB, CAPT = _check_cache(tuple(cache))
+    _check_depth(depth, R)
+    c = PackedTensors(*cache)
+    cdt, dev = c.k_tail.dtype, c.k_base.device
+    check_reuse_state(keys, count, probs, o_ref, c_ref)
+    torch._check(o_ref.shape[0] <= B and o_ref.shape[3] == D and o_ref.shape[1] % H == 0,
+                 lambda: f"o_ref must be [B <= {B}, Hq (a multiple of {H}), T, {D}], got {tuple(o_ref.shape)}")
+    _check_tokens("v_inflight", v_inflight, B, H, D, cdt, dev)
+    _check_positions("inflight_positions", inflight_positions, o_ref.shape[0], v_inflight.shape[2])
+    return torch.empty(o_ref.shape, dtype=cdt, device=dev)
 
 
 def _attention_fake(q, k_inflight, v_inflight, q_positions, inflight_positions, depth, *rest):
@@ -376,6 +409,15 @@ def packed_reference_attention_aten(q, inflight_positions, k_inflight, v_infligh
     return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities)
 
 
+def packed_reference_attention_probs_aten(q, inflight_positions, k_inflight, v_inflight, depth, *rest):
+    """ATen body of ``flashloop::packed_reference_attention_probs``: as packed_reference_attention_aten,
+    with the selected keys' probabilities."""
+    *cache, mask, scale, fractions, capacities = rest
+    grid = torch.arange(PackedTensors(*cache).k_base.shape[2], device=q.device)[None].expand(q.shape[0], -1)
+    k, v = packed_read_aten(*cache, grid, depth, inflight_positions, k_inflight, v_inflight)
+    return _reference_attention_aten(q, k, v, mask, scale, fractions, capacities, keep_probs=True)
+
+
 def overlay_inflight(stored: Tensor, positions: Tensor, inflight_positions: Tensor, rows: Tensor) -> Tensor:
     """stored [B, H, P, D] read at positions [B, P] or [B, H, P], with every entry at one of this
     step's positions (inflight_positions [B, T], -1 = padding) replaced by that token's row of
@@ -444,6 +486,32 @@ def packed_correction_attention_aten(q, keys, count, mass, o_ref, c_ref, infligh
     k_sel, v_sel = packed_read_aten(*cache, selected_positions(keys, count, kv_heads), depth, inflight_positions,
                                     k_inflight, v_inflight)
     return _correction_attention_aten(q, k_sel, v_sel, local_keys(keys, kv_heads), count, mass, o_ref, c_ref, scale)
+
+
+def packed_reuse_correction_attention_aten(keys, count, probs, o_ref, c_ref, inflight_positions, v_inflight, depth,
+                                           *cache) -> Tensor:
+    """The V-only correction over the packed history: packed_read of the selected keys, then
+    reuse_correction_attention over that compact read."""
+    kv_heads = PackedTensors(*cache).k_base.shape[1]
+    _k, v_sel = packed_read_aten(*cache, selected_positions(keys, count, kv_heads), depth, inflight_positions,
+                                 v_inflight, v_inflight)
+    return _reuse_correction_attention_aten(v_sel, local_keys(keys, kv_heads), count, probs, o_ref, c_ref)
+
+
+def reuse_read_values(keys, count, probs, o_ref, c_ref, inflight, depth: int, cache: tuple, *,
+                      block_p: int | None = None) -> Tensor:
+    """packed_reuse_correction_attention's body for one query row per kv head: the selected keys'
+    V planes read and weighted in registers (``packed_read.launch_packed_read_values``), then
+    O_ref - C_ref + the sum (``correction.reuse_combine_triton``). Runs the Triton kernels (the
+    interpreter's on CPU tensors: tests); ``block_p``: keys per program (tests)."""
+    from flashloop_compile.lowering.kernels.correction import reuse_combine_triton
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read_values
+
+    part_acc = launch_packed_read_values(cache, keys, count, probs, depth, inflight=inflight, wrap=wrap_triton,
+                                         block_p=block_p)
+    out = torch.empty(o_ref.shape, dtype=PackedTensors(*cache).k_tail.dtype, device=o_ref.device)
+    reuse_combine_triton(part_acc, o_ref, c_ref, out, wrap=True, num_warps=4 if part_acc.shape[1] <= 32 else 8)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -553,22 +621,74 @@ def _packed_reference_attention(
     inflight = (inflight_positions, k_inflight, v_inflight)
     if q.device.type != "cuda":
         return torch.ops.flashloop.packed_reference_attention_aten(q, *inflight, depth, *cache, mask, scale, fractions, capacities)
+    return _packed_reference_cuda(q, inflight, depth, cache, mask, scale, fractions, capacities, keep_probs=False)
+
+
+def _packed_reference_cuda(q, inflight, depth, cache, mask, scale, fractions, capacities, *, keep_probs: bool):
+    """The CUDA body of packed_reference_attention (keep_probs: of packed_reference_attention_probs)."""
     from flashloop_compile.lowering.kernels import reference_attention as ra
     from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
 
+    c = PackedTensors(*cache)
+    k_base, k_tail = c.k_base, c.k_tail
     S, D = k_base.shape[2], 2 * k_base.shape[3]
     if ra.linear_fits(q, k_base.shape[1], D, k_tail.shape[3] // 2, fractions):
         # one query row per kv head: the bulk in the code domain, a window of the ring and
         # in-flight tokens read
         lo, kw, vw = _read_window(cache, depth, inflight, q.shape[0])
         return ra.reference_attention_triton(q, kw, vw, mask, scale, fractions, capacities, wrap=True,
-                                             linear=(cache, depth, lo))
+                                             linear=(cache, depth, lo), keep_probs=keep_probs)
     # other shapes: the whole history read, then the reference over it
     grid = torch.arange(S, device=q.device)[None].expand(q.shape[0], -1)
     k = torch.empty(q.shape[0], k_base.shape[1], S, D, dtype=k_tail.dtype, device=q.device)
     v = torch.empty_like(k)
     launch_packed_read(cache, grid, depth, k, v, inflight=inflight, wrap=wrap_triton)
-    return ra.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True)
+    return ra.reference_attention_triton(q, k, v, mask, scale, fractions, capacities, wrap=True, keep_probs=keep_probs)
+
+
+@torch.library.triton_op(f"{LIB}::packed_reference_attention_probs", mutates_args=())
+def _packed_reference_attention_probs(
+    q: T_, inflight_positions: T_, k_inflight: T_, v_inflight: T_, depth: int,
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    mask: T_, scale: float, fractions: list[float], capacities: list[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    inflight = (inflight_positions, k_inflight, v_inflight)
+    if q.device.type != "cuda":
+        return torch.ops.flashloop.packed_reference_attention_probs_aten(q, *inflight, depth, *cache, mask, scale,
+                                                                         fractions, capacities)
+    return _packed_reference_cuda(q, inflight, depth, cache, mask, scale, fractions, capacities, keep_probs=True)
+
+
+@torch.library.triton_op(f"{LIB}::packed_reuse_correction_attention", mutates_args=())
+def _packed_reuse_correction_attention(
+    keys: T_, count: T_, probs: T_, o_ref: T_, c_ref: T_, inflight_positions: T_, v_inflight: T_, depth: int,
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+) -> Tensor:
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    if keys.device.type != "cuda":
+        return torch.ops.flashloop.packed_reuse_correction_attention_aten(keys, count, probs, o_ref, c_ref,
+                                                                          inflight_positions, v_inflight, depth, *cache)
+    from flashloop_compile.lowering.kernels.correction import reuse_correction_triton
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
+
+    hkv, D, G = k_base.shape[1], 2 * k_base.shape[3], k_tail.shape[3] // 2
+    if keys.shape[1] == hkv and keys.shape[2] == 1 and not (D & (D - 1) or G % 2):
+        return reuse_read_values(keys, count, probs, o_ref, c_ref, (inflight_positions, v_inflight), depth, cache)
+    # several query rows or query heads per kv head: the compact read, then the V-only correction over it
+    sel = selected_positions(keys, count, hkv)
+    k_sel = torch.empty((keys.shape[0], hkv, sel.shape[-1], D), dtype=k_tail.dtype, device=keys.device)
+    v_sel = torch.empty_like(k_sel)
+    launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=(inflight_positions, v_inflight, v_inflight), wrap=wrap_triton)
+    return reuse_correction_triton(v_sel, local_keys(keys, hkv), count, probs, o_ref, c_ref, wrap=True)
 
 
 def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: int, cache: tuple, scale: float, *,
@@ -686,6 +806,14 @@ _packed_correction_aten_op = torch.library.custom_op(
     f"{LIB}::packed_correction_attention_aten", packed_correction_attention_aten, mutates_args=(),
     schema=_twin_schema(_packed_correction_attention),
 )
+_packed_reference_probs_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_reference_attention_probs_aten", packed_reference_attention_probs_aten, mutates_args=(),
+    schema=_twin_schema(_packed_reference_attention_probs),
+)
+_packed_reuse_aten_op = torch.library.custom_op(
+    f"{LIB}::packed_reuse_correction_attention_aten", packed_reuse_correction_attention_aten, mutates_args=(),
+    schema=_twin_schema(_packed_reuse_correction_attention),
+)
 
 for _op, _aten, _fake in (
     (_packed_kv_write, packed_kv_write_aten, _write_fake),
@@ -693,12 +821,15 @@ for _op, _aten, _fake in (
     (_packed_attention, packed_attention_aten, _attention_fake),
     (_packed_reference_attention, packed_reference_attention_aten, _reference_fake),
     (_packed_correction_attention, packed_correction_attention_aten, _correction_fake),
+    (_packed_reference_attention_probs, packed_reference_attention_probs_aten, _reference_probs_fake),
+    (_packed_reuse_correction_attention, packed_reuse_correction_attention_aten, _reuse_fake),
 ):
     _op.register_kernel("cpu")(_aten)
     _op.register_fake(_fake)
 for _op, _fake in ((_packed_kv_write_aten_op, _write_fake), (_packed_read_aten_op, _read_fake),
                    (_packed_attention_aten_op, _attention_fake), (_packed_reference_aten_op, _reference_fake),
-                   (_packed_correction_aten_op, _correction_fake)):
+                   (_packed_correction_aten_op, _correction_fake), (_packed_reference_probs_aten_op, _reference_probs_fake),
+                   (_packed_reuse_aten_op, _reuse_fake)):
     _op.register_fake(_fake)
 
 
@@ -744,6 +875,27 @@ def packed_correction_attention(
     this step's tokens ``inflight`` = (positions [B, Ti], k, v) exactly."""
     return torch.ops.flashloop.packed_correction_attention(
         q, keys, count, mass, o_ref, c_ref, *inflight, int(depth), *cache.op_tensors(layer), float(scale))
+
+
+def packed_reference_attention_probs(
+    cache: PackedCache, layer: int, q: Tensor, inflight: tuple[Tensor, Tensor, Tensor], depth: int, mask: Tensor,
+    scale: float, fractions: list[float], capacities: list[int],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``packed_reference_attention`` plus the selected keys' probabilities (reuse_selected_probabilities)."""
+    return torch.ops.flashloop.packed_reference_attention_probs(
+        q, *inflight, int(depth), *cache.op_tensors(layer), mask, float(scale), list(fractions), list(capacities)
+    )
+
+
+def packed_reuse_correction_attention(
+    cache: PackedCache, layer: int, keys: Tensor, count: Tensor, probs: Tensor, o_ref: Tensor, c_ref: Tensor,
+    inflight: tuple[Tensor, Tensor], depth: int,
+) -> Tensor:
+    """reuse_selected_probabilities' correction at ``depth``: loop 2's probabilities probs over the
+    selected keys (keys [B, Hq, T, K] of one key fraction, count valid) times ``cache``'s V there,
+    this step's tokens ``inflight`` = (positions [B, Ti], v) exactly."""
+    return torch.ops.flashloop.packed_reuse_correction_attention(
+        keys, count, probs, o_ref, c_ref, *inflight, int(depth), *cache.op_tensors(layer))
 
 
 def no_inflight(cache: PackedCache, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:

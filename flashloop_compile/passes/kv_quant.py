@@ -12,7 +12,9 @@ At each attention site (loop d, layer i) with an in-place cache:
   correction at loops 3..R becomes ``flashloop.packed_correction_attention``, which reads only
   the keys its reference selected and attends them (one query row per kv head: in one pass, no
   BF16 copy of them). The step's own tokens are their exact in-flight K/V (in-flight arguments:
-  no merge after a read).
+  no merge after a read). Under reuse_selected_probabilities the reference becomes
+  ``flashloop.packed_reference_attention_probs`` and the corrections
+  ``flashloop.packed_reuse_correction_attention`` (the selected keys' V only).
 
 In token-sparse loops only the active rows are written (absent residual = inheritance), and the
 in-flight K/V the active queries see is loop d-1's in-flight K/V with the active rows replaced —
@@ -138,12 +140,23 @@ class KVResidualQuantizationPass(FlashLoopPass):
                 consumer.replace_all_uses_with(out)
                 graph.erase_node(consumer)
                 after = out
-            elif name == "flashloop.reference_attention":
+            elif name == "flashloop.reuse_correction_attention":
+                _v, keys, count, probs, o_ref, c_ref = consumer.args
+                with graph.inserting_before(consumer):
+                    out = graph.call_function(
+                        torch.ops.flashloop.packed_reuse_correction_attention.default,
+                        (keys, count, probs, o_ref, c_ref, all_pos, v_in, d) + cache_args,
+                    )
+                consumer.replace_all_uses_with(out)
+                graph.erase_node(consumer)
+                after = out
+            elif name in ("flashloop.reference_attention", "flashloop.reference_attention_probs"):
                 q_ref, _k, _v, mask, scale, fractions, capacities = consumer.args
+                packed_ref = (torch.ops.flashloop.packed_reference_attention.default if name == "flashloop.reference_attention"
+                              else torch.ops.flashloop.packed_reference_attention_probs.default)
                 with graph.inserting_before(consumer):
                     ref = graph.call_function(
-                        torch.ops.flashloop.packed_reference_attention.default,
-                        (q_ref, all_pos, k_in, v_in, d) + cache_args + (mask, scale, fractions, capacities),
+                        packed_ref, (q_ref, all_pos, k_in, v_in, d) + cache_args + (mask, scale, fractions, capacities),
                     )
                 consumer.replace_all_uses_with(ref)
                 graph.erase_node(consumer)

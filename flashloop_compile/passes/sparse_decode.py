@@ -3,7 +3,10 @@
 In a decode graph (one query token per row) the attention of every layer at the reference loop
 becomes ``flashloop.reference_attention``; its statistics (selected keys S, mass m, O_ref, C_ref)
 flow as graph tensors to the same layer's attention at each later loop, which becomes
-``flashloop.correction_attention`` over that loop's K/V. Loop 1 stays dense. Prefill graphs
+``flashloop.correction_attention`` over that loop's K/V. Under
+``reuse_selected_probabilities`` loop 2 becomes ``flashloop.reference_attention_probs`` (it also
+keeps the selected keys' probabilities) and each later site ``flashloop.reuse_correction_attention``
+over that loop's V alone (its q and k feed nothing). Loop 1 stays dense. Prefill graphs
 are not touched (prompt rows never get decode selection), nor are forwards that run fewer loops
 than the first sparse one (a graph recognized with R <= 2 loops has no sparse loop).
 """
@@ -93,6 +96,12 @@ class SparseDecodeAttentionPass(FlashLoopPass):
         if not sparse:
             return [f"no sparse loop (the graph runs {structure.num_loops} loops): attention stays dense"]
         fr = sorted(set(self._fractions(structure)))
+        if self.config.sparse_decode_attention.reuse_selected_probabilities:
+            return [
+                f"loop {ref}: {n} attention sites -> flashloop.reference_attention_probs (key fractions {fr})",
+                f"loops {sparse[0] + 1}..{sparse[-1] + 1}: {n * len(sparse)} attention sites -> "
+                "flashloop.reuse_correction_attention (loop 2's probabilities over the selected keys, V only)",
+            ]
         return [
             f"loop {ref}: {n} attention sites -> flashloop.reference_attention (key fractions {fr})",
             f"loops {sparse[0] + 1}..{sparse[-1] + 1}: {n * len(sparse)} attention sites -> flashloop.correction_attention",
@@ -106,6 +115,8 @@ class SparseDecodeAttentionPass(FlashLoopPass):
         fractions = self._fractions(structure)
         distinct = sorted(set(fractions), key=fractions.index)
         ref_depth = self.config.sparse_decode_attention.reference_loop - 1
+        reuse = self.config.sparse_decode_attention.reuse_selected_probabilities
+        ref_op = torch.ops.flashloop.reference_attention_probs.default if reuse else torch.ops.flashloop.reference_attention.default
         matched = 0
         for layer in range(structure.num_layers):
             site = structure.site(ref_depth, layer)
@@ -119,24 +130,27 @@ class SparseDecodeAttentionPass(FlashLoopPass):
             scale = site_scale(site)
             with graph.inserting_before(site.node):
                 mask = visible_mask(graph, site)
-                ref = graph.call_function(
-                    torch.ops.flashloop.reference_attention.default,
-                    (site.q, site.k, site.v, mask, scale, distinct, capacities),
-                )
-                outs = [graph.call_function(operator.getitem, (ref, i)) for i in range(6)]
+                ref = graph.call_function(ref_op, (site.q, site.k, site.v, mask, scale, distinct, capacities))
+                outs = [graph.call_function(operator.getitem, (ref, i)) for i in range(7 if reuse else 6)]
             _replace(site.node, outs[0])
             self.context.replaced[site.node] = ref
             matched += 1
-            keys, count, mass, o_ref, c_ref = outs[1:]
+            keys, count, mass, o_ref, c_ref = outs[1:6]
             for depth, fraction in zip(sparse, fractions):
                 later = structure.site(depth, layer)
                 f = distinct.index(fraction)
                 with graph.inserting_before(later.node):
-                    k_f, *state = [graph.call_function(operator.getitem, (t, f)) for t in (keys, count, mass, c_ref)]
-                    out = graph.call_function(
-                        torch.ops.flashloop.correction_attention.default,
-                        (later.q, later.k, later.v, k_f, state[0], state[1], o_ref, state[2], site_scale(later)),
-                    )
+                    if reuse:
+                        k_f, n_f, p_f, c_f = [graph.call_function(operator.getitem, (t, f)) for t in (keys, count, outs[6], c_ref)]
+                        out = graph.call_function(
+                            torch.ops.flashloop.reuse_correction_attention.default, (later.v, k_f, n_f, p_f, o_ref, c_f)
+                        )
+                    else:
+                        k_f, *state = [graph.call_function(operator.getitem, (t, f)) for t in (keys, count, mass, c_ref)]
+                        out = graph.call_function(
+                            torch.ops.flashloop.correction_attention.default,
+                            (later.q, later.k, later.v, k_f, state[0], state[1], o_ref, state[2], site_scale(later)),
+                        )
                 _replace(later.node, out)
                 self.context.replaced[later.node] = out
                 matched += 1

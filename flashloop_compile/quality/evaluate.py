@@ -117,8 +117,12 @@ def _apply_modifier(cfg: FlashLoopConfig, mod: str, num_loops: int) -> FlashLoop
     elif key == "group_size":
         flat["kv_residual_quantization.group_size"] = int(value)
         flat["kv_residual_quantization.tail"] = int(value)  # the tail equals the group size
+    elif key in ("reuse", "reuse_selected_probabilities"):
+        flat["sparse_decode_attention.reuse_selected_probabilities"] = value.lower() not in ("0", "false", "off", "no") if value else True
     else:
-        raise ConfigError(f"unknown modifier {mod!r}: use retention=a/b, key_fraction=f, window=W|global, keep_last[=0|1], group_size=G")
+        raise ConfigError(
+            f"unknown modifier {mod!r}: use retention=a/b, key_fraction=f, window=W|global, keep_last[=0|1], group_size=G, reuse[=0|1]"
+        )
     return FlashLoopConfig.from_dict(flat)
 
 
@@ -126,7 +130,8 @@ def named_config(spec: str, num_loops: int = 4) -> FlashLoopConfig:
     """``base[@modifier...]``: base one of the 8 switch combinations (``dense``, ``tsp``, ``sda``,
     ``kvq``, ``tsp+sda``, ``tsp+kvq``, ``sda+kvq``, ``all-on``), modifiers ``retention=0.25/0.10``
     (loops 3..R; earlier loops are 1), ``key_fraction=0.10``, ``window=256`` or ``window=global``,
-    ``keep_last`` / ``keep_last=0``, ``group_size=32``. Default parameters otherwise."""
+    ``keep_last`` / ``keep_last=0``, ``group_size=32``, ``reuse`` (sparse decode's
+    reuse_selected_probabilities). Default parameters otherwise."""
     base, *mods = spec.split("@")
     cfg = _base_config(base)
     for mod in mods:
@@ -149,6 +154,7 @@ CONFIG_SETS: dict[str, list[str]] = {
         "all-on@window=256@keep_last",
         "all-on@keep_last",
         "tsp@keep_last",
+        "all-on@reuse",
     ],
 }
 CONFIG_SETS["full"] = list(dict.fromkeys(CONFIG_SETS["combos"] + CONFIG_SETS["sweep"]))

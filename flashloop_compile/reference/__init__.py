@@ -13,6 +13,7 @@ from flashloop_compile.reference.attention import (
     causal_attention,
     correction_attention,
     reference_attention,
+    reuse_correction_attention,
 )
 from flashloop_compile.reference.codec import dequantize, quantize, quantize_channel_groups, quantize_token_groups
 from flashloop_compile.reference.kvstore import DenseKVStore, KVBytes, QuantizedKVStore
@@ -27,6 +28,7 @@ __all__ = [
     "causal_attention",
     "reference_attention",
     "correction_attention",
+    "reuse_correction_attention",
     "quantize",
     "dequantize",
     "quantize_token_groups",

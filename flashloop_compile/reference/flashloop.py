@@ -27,6 +27,7 @@ from flashloop_compile.reference.attention import (
     causal_attention,
     correction_attention,
     reference_attention,
+    reuse_correction_attention,
 )
 from flashloop_compile.reference.kvstore import DenseKVStore, QuantizedKVStore
 from flashloop_compile.reference.selection import change_scores, select_active, window_bounds
@@ -153,6 +154,8 @@ class ReferenceRequest:
                 keys, values = torch.cat([prefix_k, k_all]), torch.cat([prefix_v, v_all])
                 if sparse_decode and depth == sda.reference_loop - 1:
                     out, reference[i] = reference_attention(q, pos[rows], keys, values, key_pos, fractions)
+                elif sparse_decode and depth >= sda.reference_loop and sda.reuse_selected_probabilities:
+                    out = reuse_correction_attention(values, reference[i][depth - sda.reference_loop])
                 elif sparse_decode and depth >= sda.reference_loop:
                     out = correction_attention(q, keys, values, reference[i][depth - sda.reference_loop])
                 else:

@@ -42,6 +42,7 @@ CONFIGS = {
     "sparse_decode": {"sparse_decode_attention.enabled": True},
     "quant": {"kv_residual_quantization.enabled": True},
     "all_on": {f"{g}.enabled": True for g in _FEATURES},
+    "all_on_reuse": {**{f"{g}.enabled": True for g in _FEATURES}, "sparse_decode_attention.reuse_selected_probabilities": True},
 }
 MAX_BATCH, MAX_SEQ = 4, 256
 # slot 0 crosses position 192 in its second step (a packed-tail flush in a bucket-1 replay), slot 1

@@ -74,6 +74,15 @@ WRITES = {
     "_read_bulk_kernel": {"out_k", "out_v"},
     "_read_kernel": {"out_k", "out_v"},
     "_position_attention_kernel": {"o_ptr"},
+    "_scores_kernel": {"s_ptr", "pm_ptr", "pl_ptr"},
+    "_select_first_kernel": {"p_ptr", "hist_ptr"},
+    "_select_level_kernel": {"hcur_ptr", "pre_cur_ptr", "rnk_cur_ptr", "above_ptr"},
+    "_select_compact_kernel": {"keys_ptr", "thr_ptr", "cut_ptr", "psel_ptr"},
+    "_pv_kernel": {"po_ptr", "pmass_ptr"},
+    "_pv_combine_kernel": {"out_ptr", "oref_ptr", "cref_ptr", "mass_ptr"},
+    "_reuse_correction_kernel": {"out_ptr", "pacc_ptr"},
+    "_reuse_combine_kernel": {"out_ptr"},
+    "_read_values_kernel": {"part_acc"},
 }
 
 
@@ -133,6 +142,33 @@ def decode_launches():
     _check(calls)
 
 
+def reuse_launches():
+    """reuse_selected_probabilities' launches: the reference with and without the kept probabilities
+    (without, the compaction gets the scratch row under psel_ptr too and must not store through it),
+    the V-only corrections (one split: the partials' name aliases o_ref), the packed V-only read."""
+    from flashloop_compile.lowering.kernels import correction, packed_read, reference_attention, sparse_config
+
+    wrap, calls = _recording()
+    sparse_config.no_wrap = wrap  # Launcher(wrap=False) launches through it
+    sparse_config.check_runnable = lambda kernel, device: None  # recorded, not run
+    q, k, v = _tokens(Hq, 1), _tokens(H, S), _tokens(H, S)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    for keep in (False, True):
+        reference_attention.reference_attention_triton(q, k, v, mask, 0.125, [0.1], [13], keep_probs=keep)
+    keys = torch.arange(13, dtype=torch.int32).expand(B, Hq, 1, 13).contiguous()
+    count = torch.full((B, Hq, 1), 13, dtype=torch.int32)
+    probs = torch.rand(B, Hq, 1, 13)
+    o_ref, c_ref = torch.randn(B, Hq, 1, D), torch.randn(B, Hq, 1, D)
+    for split in (1, 3):
+        cfg = sparse_config.KernelConfig(split_corr=split, block_k=4)
+        correction.reuse_correction_triton(v, keys, count, probs, o_ref, c_ref, config=cfg)
+    cache = _cache()
+    pos = torch.full((B, 1), T)
+    packed_read.launch_packed_read_values(cache, keys[:, :H], count[:, :H], probs[:, :H], 2, inflight=(pos, _tokens(H, 1)),
+                                          wrap=wrap)
+    _check(calls)
+
+
 def _in_child(which: str) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -146,6 +182,10 @@ def test_prefill_launches_store_through_one_name_per_tensor():
 
 def test_decode_launches_store_through_one_name_per_tensor():
     _in_child("decode_launches")
+
+
+def test_reuse_launches_store_through_one_name_per_tensor():
+    _in_child("reuse_launches")
 
 
 if __name__ == "__main__":

@@ -123,3 +123,32 @@ def test_linear_reference_rejects_what_it_does_not_cover(heads, fractions):
     with pytest.raises(ValueError, match="one query row per kv head, one key fraction"):
         RA.reference_attention_triton(q, kw, kw, mask, 0.1, fractions, [26] * len(fractions),
                                       linear=(cache.op_tensors(0), 1, ip[:, 0]))
+
+
+def test_linear_reference_keeps_the_selected_probabilities():
+    # reuse_selected_probabilities' loop 2 over the packed cache: the same outputs, plus each selected
+    # key's probability (written by the selection's compaction), equal to the reference's there
+    cache, g = _cache(torch.float32, 64)
+    q, ki, vi, ip, mask = _step(g, torch.float32)
+    tensors = cache.op_tensors(0)
+    caps = [ceil_fraction(0.25, S)]
+    lo, window = RA.linear_window(tensors, 2, ip)
+    kw = torch.empty((B, H, window.shape[1], D))
+    vw = torch.empty_like(kw)
+    PR.launch_packed_read(tensors, window, 2, kw, vw, inflight=(ip, ki, vi))
+    plain = RA.reference_attention_triton(q, kw, vw, mask, 0.125, [0.25], caps, linear=(tensors, 2, lo))
+    got = RA.reference_attention_triton(q, kw, vw, mask, 0.125, [0.25], caps, linear=(tensors, 2, lo), keep_probs=True)
+    assert len(got) == 7
+    for a, b in zip(plain, got):
+        assert torch.equal(a, b)
+    keys, count, mass, p_sel = got[1], got[2], got[3], got[6]
+    kf, _ = P.packed_read_aten(*tensors, torch.arange(S)[None].expand(B, S), 2, ip, ki, vi)
+    probs = torch.softmax(torch.where(mask, (q @ kf.transpose(-1, -2)) * 0.125, float("-inf")), -1)[:, :, 0]
+    valid = keys[0, :, :, 0] >= 0
+    want = torch.where(valid, probs.gather(-1, keys[0, :, :, 0].clamp_min(0).long()), 0.0)
+    torch.testing.assert_close(p_sel[0, :, :, 0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p_sel.sum(-1), mass, atol=1e-5, rtol=1e-5)
+    # the op's ATen body keeps the same probabilities at the same keys
+    ref = P.packed_reference_attention_probs_aten(q, ip, ki, vi, 2, *tensors, mask, 0.125, [0.25], caps)
+    dense = lambda k, p: torch.zeros(B, H, 1, S + 1).scatter(-1, torch.where(k >= 0, k, S).long(), p)[..., :S]  # noqa: E731
+    torch.testing.assert_close(dense(keys[0], p_sel[0]), dense(ref[1][0], ref[6][0]), atol=1e-5, rtol=1e-5)

@@ -75,6 +75,18 @@ def test_decode_quant_with_sparse_decode_counts():
     }
 
 
+def test_decode_quant_with_sparse_decode_reuse_counts():
+    gm = _decode_graph(tiny())
+    config = FlashLoopConfig.from_switches(False, True, True, **{"sparse_decode_attention.reuse_selected_probabilities": True})
+    pass_manager(config).run(gm)
+    assert _counts(gm) == {
+        "flashloop.packed_attention": 2,
+        "flashloop.packed_reference_attention_probs": 2,  # loop 2 keeps the selected keys' probabilities
+        "flashloop.packed_reuse_correction_attention": 4,  # loops 3, 4: the selected keys' V only
+        "flashloop.packed_kv_write": 8,
+    }
+
+
 def test_the_correction_is_one_op_per_site_in_the_plan():
     # each correction becomes one flashloop.packed_correction_attention over the packed history
     from flashloop_compile.passes import recognize

@@ -18,13 +18,16 @@ from models.hf_style_ouro import OuroForCausalLM as HFStyleOuro
 from .conftest import capture, ragged_batch, tiny
 
 SPARSE = FlashLoopConfig.from_switches(False, True, False)
+REUSE = FlashLoopConfig.from_switches(False, True, False, **{"sparse_decode_attention.reuse_selected_probabilities": True})
+SITE_OPS = ("scaled_dot_product_attention", "flashloop.reference_attention", "flashloop.correction_attention",
+            "flashloop.reference_attention_probs", "flashloop.reuse_correction_attention")
 
 
 def op_counts(gm) -> dict[str, int]:
     counts: dict[str, int] = {}
     for n in gm.graph.nodes:
         name = op_name(n)
-        if name in ("scaled_dot_product_attention", "flashloop.reference_attention", "flashloop.correction_attention"):
+        if name in SITE_OPS:
             counts[name] = counts.get(name, 0) + 1
     return counts
 
@@ -180,3 +183,41 @@ def test_hf_style_decode_graph_is_rewritten_and_matches_reference():
     expected = _reference_logits(ours, SPARSE, prompt[0], first[0])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
+
+
+# -- reuse_selected_probabilities ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loops, layers", [(4, 2), (3, 3)])
+def test_reuse_op_counts(loops, layers):
+    gm = decode_graph(tiny(total_ut_steps=loops, num_hidden_layers=layers))
+    report = pass_manager(REUSE).run(gm)
+    assert report.matched == {"SparseDecodeAttentionPass": layers * (loops - 1)}
+    assert op_counts(gm) == {
+        "scaled_dot_product_attention": layers,  # loop 1 stays dense
+        "flashloop.reference_attention_probs": layers,  # loop 2 keeps the selected keys' probabilities
+        "flashloop.reuse_correction_attention": layers * (loops - 2),
+    }
+    # the corrections read V only: no query or key enters them
+    for n in gm.graph.nodes:
+        if op_name(n) == "flashloop.reuse_correction_attention":
+            v, keys, count, probs, o_ref, c_ref = n.args
+            assert op_name(probs) == "getitem" and op_name(probs.args[0]) == "getitem"
+            assert op_name(probs.args[0].args[0]) == "flashloop.reference_attention_probs"
+            assert probs.args[0].args[1] == 6
+
+
+@pytest.mark.parametrize("fractions", [[0.1], [0.3, 0.15]])
+def test_reuse_compiled_decode_matches_reference_ragged_batch(fractions):
+    model = tiny()
+    config = FlashLoopConfig.from_switches(
+        False, True, False,
+        **{"sparse_decode_attention.key_fraction": fractions, "sparse_decode_attention.reuse_selected_probabilities": True},
+    )
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (23, 40, 31)]
+    fed, got = _generate_compiled(model, prompts, 3, make_backend(config, inner="eager"))
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(got[i], _reference_logits(model, config, p, fed[i]), rtol=1e-5, atol=1e-5)
+    # the option changes the result (loops 3..R correct with loop 2's probabilities)
+    plain = FlashLoopConfig.from_switches(False, True, False, **{"sparse_decode_attention.key_fraction": fractions})
+    assert not torch.allclose(got[0], _reference_logits(model, plain, prompts[0], fed[0]), atol=1e-4)

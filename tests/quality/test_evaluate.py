@@ -44,7 +44,9 @@ def test_named_configs_resolve_and_cover_the_8_combinations():
     assert c.sparse_decode_attention.key_fraction == (0.25,)
     assert c.token_sparse_prefill.window == 256 and c.token_sparse_prefill.keep_last_token
     assert named_config("tsp@window=global").token_sparse_prefill.window is None
-    for bad in ("nope", "all-on@bogus=1", "all-on@retention=0.5/0.9"):
+    assert named_config("all-on@reuse").sparse_decode_attention.reuse_selected_probabilities
+    assert "all-on@reuse" in CONFIG_SETS["sweep"]
+    for bad in ("nope", "all-on@bogus=1", "all-on@retention=0.5/0.9", "tsp@reuse"):
         with pytest.raises(ConfigError):
             named_config(bad)
 

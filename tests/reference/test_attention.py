@@ -15,6 +15,7 @@ from flashloop_compile.reference.attention import (
     causal_attention,
     correction_attention,
     reference_attention,
+    reuse_correction_attention,
 )
 
 ATOL = 1e-5
@@ -56,6 +57,13 @@ def test_spec_scalar_example():
     assert out.item() == pytest.approx(23.5, abs=ATOL)
     # Dense attention over the later loop's keys would be dominated by key 0: very different.
     assert causal_attention(q, q_pos, k4, v4, k_pos).item() == pytest.approx(1000.0, abs=1e-3)
+
+    # reuse_selected_probabilities: loop 2's probabilities over S renormalized, [0.6, 0.3] / 0.9 in
+    # the state's key order (2, 1), with the later values (40 at key 2, 20 at key 1); no K read.
+    assert state.probs[0, 0].tolist() == pytest.approx([0.6, 0.3], abs=1e-6)
+    reused = reuse_correction_attention(v4, state)
+    # 25 - 24 + 0.9 * (2/3 * 40 + 1/3 * 20) = 31
+    assert reused.item() == pytest.approx(31.0, abs=1e-4)
 
 
 # --------------------------------------------------------------------------------------------

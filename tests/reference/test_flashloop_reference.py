@@ -379,3 +379,29 @@ def test_exit_at_step_2_with_sparse_decode_stays_dense(tiny_model):
     # exit_at_step=3 does reach a sparse loop.
     _, step3 = run(ReferenceFlashLoop(tiny_model, sparse_cfg, readout=Readout.exit_at_step(3)), prompt, decode)
     assert all(len(layer) == 1 for layer in step3[1].reference)
+
+
+def test_reuse_selected_probabilities_reuses_loop_2_probabilities(tiny_model):
+    """The reuse option: loops 3..R correct with loop 2's probabilities over S (renormalized over S)
+    and their own V. Checked against its definition on the recorded K/V, and against the option off."""
+    on = FlashLoopConfig.from_switches(False, True, False, **{"sparse_decode_attention.reuse_selected_probabilities": True})
+    off = FlashLoopConfig.from_switches(False, True, False)
+    prompt, new = tokens(130, seed=41), tokens(3, seed=42)
+    _, (_, rec) = run(ReferenceFlashLoop(tiny_model, on), prompt, [new])
+    _, (_, rec_off) = run(ReferenceFlashLoop(tiny_model, off), prompt, [new])
+    assert torch.isfinite(rec.logits).all()
+    # loops 1-2 are the same computation with the option on or off; loops 3..R differ
+    torch.testing.assert_close(rec.states[1], rec_off.states[1], rtol=0, atol=0)
+    assert not torch.allclose(rec.states[2], rec_off.states[2], atol=1e-4)
+    for layer in rec.reference:
+        for st in layer:
+            torch.testing.assert_close(st.probs.sum(-1), st.mass, rtol=1e-5, atol=1e-6)
+            assert (st.probs[st.keys < 0] == 0).all()
+    # full key fraction: S holds every visible key (m = 1), so loop r attends with loop 2's probabilities
+    full = FlashLoopConfig.from_switches(
+        False, True, False,
+        **{"sparse_decode_attention.reuse_selected_probabilities": True, "sparse_decode_attention.key_fraction": [1.0]},
+    )
+    _, (_, rec_full) = run(ReferenceFlashLoop(tiny_model, full), prompt, [new])
+    st = rec_full.reference[0][0]
+    torch.testing.assert_close(st.mass, torch.ones_like(st.mass), rtol=0, atol=1e-5)

@@ -106,6 +106,17 @@ def test_all_eight_combinations_match_the_reference_through_tail_flushes(switche
     assert got == [ReferenceFlashLoop(model, config).greedy(p, 66).tolist() for p in prompts]
 
 
+@pytest.mark.parametrize("token_sparse, quantize", [(False, False), (False, True), (True, True)],
+                         ids=["bf16_cache", "packed_cache", "all_on"])
+def test_reuse_selected_probabilities_matches_the_reference_through_tail_flushes(token_sparse, quantize):
+    model = tiny()
+    config = FlashLoopConfig.from_switches(token_sparse, True, quantize, **{
+        "sparse_decode_attention.reuse_selected_probabilities": True, "token_sparse_prefill.window": 32})
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 131)]
+    got = _engine(model, config, max_batch=2, max_seq=256).generate(prompts, 66).tokens
+    assert got == [ReferenceFlashLoop(model, config).greedy(p, 66).tolist() for p in prompts]
+
+
 def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
     model = tiny()
     config = FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32})

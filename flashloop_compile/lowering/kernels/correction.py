@@ -5,6 +5,12 @@ online softmax and, with one split, writes ``O_ref - C_ref + m * local`` directl
 splits ``_correction_combine_kernel`` merges the partials. :func:`correction_attention_triton`
 returns what ``ops._correction_attention_aten`` returns; host-sync free, as the reference's
 launchers (reference_attention.py).
+
+``_reuse_correction_kernel`` grid (R, SPLIT_K) is the V-only correction of
+``reuse_selected_probabilities``: sum_j probs[j] * V[keys[j]] per query row (loop 2's
+probabilities, no K, no softmax), written as ``O_ref - C_ref + sum`` with one split, else summed
+by ``_reuse_combine_kernel``. :func:`reuse_correction_triton` returns what
+``ops._reuse_correction_attention_aten`` returns.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from flashloop_compile.lowering.kernels import sparse_config as sc
 from flashloop_compile.lowering.kernels.common import next_pow2, sm_count
 from flashloop_compile.lowering.kernels.sparse_config import KernelConfig, Launcher, cdiv, split_range
 
-__all__ = ["correction_attention_triton", "correction_combine_triton"]
+__all__ = ["correction_attention_triton", "correction_combine_triton", "reuse_correction_triton", "reuse_combine_triton"]
 
 
 @triton.jit
@@ -162,4 +168,107 @@ def correction_attention_triton(q, k, v, keys, count, mass, o_ref, c_ref, scale,
     )
     if not final:
         correction_combine_triton(pm, pl, pacc, mass_c, oref_c, cref_c, out, wrap=launch.wrap)
+    return out
+
+
+@triton.jit
+def _reuse_correction_kernel(
+    v_ptr, keys_ptr, count_ptr, probs_ptr, oref_ptr, cref_ptr, out_ptr, pacc_ptr,
+    HQ, T, G, KMAX, CHUNK, SPLIT,
+    svb, svh, svs, svd,
+    sob, soh, sot, sod,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, FINAL: tl.constexpr,
+):
+    """Keys [pid_s * CHUNK, +CHUNK) of query row `row` (b * Hq * T + h * T + t): the sum of loop 2's
+    probabilities times this loop's V rows; with one split (FINAL) O_ref - C_ref + that sum."""
+    row = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    t = row % T
+    h = (row // T) % HQ
+    b = (row // (T * HQ)).to(tl.int64)
+    hk = (h // G).to(tl.int64)
+    row64 = row.to(tl.int64)
+    dd = tl.arange(0, D)
+    cnt = tl.minimum(tl.load(count_ptr + row64), KMAX)
+    start = pid_s * CHUNK
+    end = tl.minimum(start + CHUNK, cnt)
+    acc = tl.zeros([D], tl.float32)
+    v_base = v_ptr + b * svb + hk * svh
+    for j0 in range(start, end, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        j_ok = j < end
+        idx = tl.maximum(tl.load(keys_ptr + row64 * KMAX + j, mask=j_ok, other=0), 0).to(tl.int64)
+        p = tl.load(probs_ptr + row64 * KMAX + j, mask=j_ok, other=0.0)
+        vt = tl.load(v_base + idx[:, None] * svs + dd[None, :] * svd, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(p[:, None] * vt, 0)
+    if FINAL:
+        o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + acc
+        tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(pacc_ptr + (row64 * SPLIT + pid_s) * D + dd, acc)
+
+
+@triton.jit
+def _reuse_combine_kernel(
+    pacc_ptr, oref_ptr, cref_ptr, out_ptr,
+    HQ, T, SPLIT,
+    sob, soh, sot, sod,
+    D: tl.constexpr, SPLIT_P2: tl.constexpr,
+):
+    row = tl.program_id(0)
+    t = row % T
+    h = (row // T) % HQ
+    b = (row // (T * HQ)).to(tl.int64)
+    row64 = row.to(tl.int64)
+    sp = tl.arange(0, SPLIT_P2)
+    dd = tl.arange(0, D)
+    pacc = tl.load(pacc_ptr + (row64 * SPLIT + sp[:, None]) * D + dd[None, :], mask=(sp < SPLIT)[:, None], other=0.0)
+    o = tl.load(oref_ptr + row64 * D + dd) - tl.load(cref_ptr + row64 * D + dd) + tl.sum(pacc, 0)
+    tl.store(out_ptr + b * sob + h * soh + t * sot + dd * sod, o.to(out_ptr.dtype.element_ty))
+
+
+def reuse_combine_triton(part_acc, o_ref, c_ref, out, *, wrap: bool = False, num_warps: int = 4) -> None:
+    """O_ref - C_ref + the sum of the split partials part_acc [rows, SPLIT, D] into out [B, Hq, T, D]:
+    _reuse_combine_kernel, one program per row (also the packed V-only correction's combine)."""
+    b, hq, t, d = out.shape
+    rows, split = part_acc.shape[:2]
+    Launcher(wrap)(_reuse_combine_kernel, (rows,))(
+        part_acc, o_ref.reshape(rows, d).contiguous(), c_ref.reshape(rows, d).contiguous(), out,
+        hq, t, split,
+        *out.stride(),
+        D=d, SPLIT_P2=next_pow2(split),
+        num_warps=num_warps,
+    )
+
+
+def reuse_correction_triton(v, keys, count, probs, o_ref, c_ref, *, wrap: bool = False, config: KernelConfig | None = None):
+    """Triton body of ``flashloop::reuse_correction_attention``; same output as the ATen body."""
+    launch = Launcher(wrap)
+    sc.check_runnable(_reuse_correction_kernel, v.device)
+    cfg = sc.config_for(v.device, config)
+    dev = v.device
+    b, hq, t, d = o_ref.shape
+    hkv = v.shape[1]
+    kmax = keys.shape[-1]
+    rows = b * hq * t
+    keys_c = keys.reshape(rows, kmax).contiguous()
+    probs_c = probs.reshape(rows, kmax).contiguous()
+    count_c = count.reshape(rows).contiguous()
+    oref_c = o_ref.reshape(rows, d).contiguous()
+    cref_c = c_ref.reshape(rows, d).contiguous()
+    out = torch.empty(o_ref.shape, dtype=v.dtype, device=dev)
+    # a gather per key tile, as the correction's: many programs per row (split_corr)
+    want = cfg.split_corr or max(32, cdiv(2 * sm_count(dev), rows))
+    chunk, split = split_range(max(kmax, 1), cfg.block_k, want)
+    final = split == 1
+    pacc = oref_c if final else torch.empty(rows, split, d, dtype=torch.float32, device=dev)  # unused when final
+    launch(_reuse_correction_kernel, (rows, split))(
+        v, keys_c, count_c, probs_c, oref_c, cref_c, out, pacc,
+        hq, t, hq // hkv, kmax, chunk, split,
+        *v.stride(), *out.stride(),
+        D=d, BLOCK_K=cfg.block_k, FINAL=final,
+        num_warps=cfg.num_warps_corr,
+    )
+    if not final:
+        reuse_combine_triton(pacc, oref_c, cref_c, out, wrap=launch.wrap)
     return out

@@ -7,6 +7,8 @@ in packed_codec.py).
   resolution.
 - ``_read_attend_kernel``: sparse decode's correction partials over the selected keys,
   reconstructed and attended in registers.
+- ``_read_values_kernel``: the V-only correction partials of reuse_selected_probabilities
+  (loop 2's probabilities times the selected keys' V).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from flashloop_compile.lowering.kernels.packed_codec import (
 )
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
-__all__ = ["launch_packed_read", "launch_packed_read_attend", "read_attend_fits", "PACKED_READ"]
+__all__ = ["launch_packed_read", "launch_packed_read_attend", "launch_packed_read_values", "read_attend_fits", "PACKED_READ"]
 
 
 @triton.jit
@@ -452,3 +454,123 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         num_warps=PACKED_READ["num_warps"],
     )
     return part_m, part_l, part_acc, nt
+
+
+# ------------------------------------------------------------------------------------------------
+# the V-only correction of reuse_selected_probabilities
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _read_values_kernel(
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+    keys, probs, count, in_positions, v_in, part_acc,
+    skey_b, skey_h, skey_t, spr_b, spr_h, spr_t, sc_b, sc_h,
+    sip_b, sip_t, sv_b, sv_h, sv_t, sv_d,
+    P, Ti, NT, B, H, S, NB, CAPT, R,
+    D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
+    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+):
+    """reuse_selected_probabilities' correction for one query row per kv head (row b * H + h):
+    program z takes the selected keys [z * BP, (z + 1) * BP) of the row (keys [B, H, P] global
+    positions, the first count[b, h] valid; probs: loop 2's probability of each) and writes the
+    partial sum of probs * V [D] for correction.reuse_combine_triton. V only: a tile of the flushed
+    bulk (_bulk_read_tile's rule) reads the V planes alone (_bulk_v); any other (ring, in-flight,
+    unflushed depth) resolves its tokens with _resolve_tile on SPLIT sub-tiles (which resolves K
+    too: a few tiles per row). The values are packed_read's, rounded to the compute dtype."""
+    HD: tl.constexpr = D // 2
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    z = NT - 1 - tl.program_id(2)  # the per-token tile (highest positions) in the first wave
+    out = (b * H + h) * NT + z
+    i = tl.arange(0, NP)
+    cnt = tl.minimum(tl.load(count + b * sc_b + h * sc_h), P)
+    acc_e = tl.zeros([NP], tl.float32)
+    acc_o = tl.zeros([NP], tl.float32)
+    if z * BP < cnt:
+        kr = keys + b * skey_b + h * skey_h
+        pr = probs + b * spr_b + h * spr_h
+        t = z * BP + tl.arange(0, BP)
+        valid = t < cnt
+        p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
+        fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
+        lim = tl.zeros([], tl.int64) + S  # the row's first in-flight position (common.first_inflight)
+        u = 0
+        while u < Ti:
+            ipu = tl.load(in_positions + b * sip_b + u * sip_t)
+            lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
+            u += 1
+        p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
+        p_hi = tl.max(tl.where(valid, p, -1), 0)
+        if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim):  # the flushed bulk: the V planes only
+            pc = tl.where(valid, p, 0).to(tl.int32)
+            kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+                b * H + h, S, NB, CAPT, D, G,
+            )
+            ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G,
+                             BP, DEPTH)
+            w = tl.load(pr + t * spr_t, mask=valid, other=0.0)[:, None]
+            acc_e = tl.sum(w * _round_to(ve, CD), 0)
+            acc_o = tl.sum(w * _round_to(vo, CD), 0)
+        else:
+            BS: tl.constexpr = BP // SPLIT
+            for sub in range(SPLIT):
+                ts = z * BP + sub * BS + tl.arange(0, BS)
+                vs = ts < cnt
+                ps = tl.load(kr + ts * skey_t, mask=vs, other=-1).to(tl.int64)
+                _ke, _ko, ve, vo = _resolve_tile(
+                    ps, vs, b, h, DEPTH,
+                    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                    k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                    in_positions, v_in, v_in,
+                    sip_b, sip_t, sv_b, sv_h, sv_t, sv_d, sv_b, sv_h, sv_t, sv_d,
+                    Ti, B, H, S, NB, CAPT, R, D, G, NP, CD, RP,
+                )
+                w = tl.load(pr + ts * spr_t, mask=vs, other=0.0)[:, None]
+                acc_e += tl.sum(w * ve, 0)
+                acc_o += tl.sum(w * vo, 0)
+    tl.store(part_acc + out * D + 2 * i, acc_e, mask=i < HD)
+    tl.store(part_acc + out * D + 2 * i + 1, acc_o, mask=i < HD)
+
+
+def launch_packed_read_values(tensors, keys, count, probs, depth: int, *, inflight, wrap=no_wrap,
+                              block_p: int | None = None):
+    """reuse_selected_probabilities' correction partials at ``depth`` over the selected keys
+    [B, H, 1, P] (global positions, the first count [B, H, 1] valid; probs [B, H, 1, P] loop 2's
+    probabilities) of the packed history, one query row per kv head, the step's in-flight tokens
+    ``inflight`` = (positions [B, Ti], v [B, H, Ti, D]) included: _read_values_kernel, one program
+    per tile of ``block_p`` keys (default PACKED_READ["attend_block_p"] at this depth). Returns
+    part_acc [B * H, NT, D] for correction.reuse_combine_triton."""
+    c = PackedTensors(*tensors)
+    B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
+    if keys.shape[1] != H or keys.shape[2] != 1 or D & (D - 1) or G % 2:
+        raise ValueError(f"the V-only correction needs keys [B, {H}, 1, P] (one query row per kv head) and a "
+                         f"power-of-two head_dim with an even group; got keys {tuple(keys.shape)}, head_dim {D}, group {G}")
+    Bc, P = keys.shape[0], keys.shape[-1]
+    by_depth = PACKED_READ["attend_block_p"]
+    bp = block_p or by_depth[min(depth, len(by_depth) - 1)]
+    if bp < 1 or bp & (bp - 1):
+        raise ValueError(f"the V-only correction's tile must be a power of two, got {bp} keys")
+    if common.cpu_semantics(keys.device) and not block_p:
+        bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
+    split = max(1, min(bp, int(PACKED_READ["generic_split"])))
+    nt = max(1, triton.cdiv(P, bp))
+    part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=keys.device)
+    ip, v_in = inflight
+    wrap(_read_values_kernel)[(Bc, H, nt)](
+        c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
+        c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
+        c.k_tail, c.v_tail, c.flushed, c.rows, c.depth_count, c.res_layout,
+        keys, probs, count, ip, v_in, part_acc,
+        keys.stride(0), keys.stride(1), keys.stride(3), probs.stride(0), probs.stride(1), probs.stride(3),
+        count.stride(0), count.stride(1),
+        *ip.stride(), *v_in.stride(),
+        P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
+        D=D, G=G, NP=next_pow2(D // 2), BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=next_pow2(R), DEPTH=depth,
+        SPLIT=split, num_warps=PACKED_READ["num_warps"],
+    )
+    return part_acc

@@ -418,8 +418,10 @@ def linear_window(tensors, depth: int, inflight_positions, config: KernelConfig 
 
 
 def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, wrap: bool = False,
-                               config: KernelConfig | None = None, linear=None):
+                               config: KernelConfig | None = None, linear=None, keep_probs: bool = False):
     """Triton body of ``flashloop::reference_attention``; same outputs as the ATen body.
+    ``keep_probs``: ``flashloop::reference_attention_probs``'s body (one more output, the selected
+    keys' probabilities, written by the selection's compaction).
 
     ``linear`` = (packed cache tensors, depth, lo [B]) (``linear_fits`` must hold): the keys below
     lo[b] (a multiple of the config's ``block_n_linear``, at or below every depth's flushed
@@ -505,8 +507,9 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
 
     # 2. radix select (probabilities written in place of the scores)
     digits = radix_digits()
-    keys, thr, cut = radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
-                                   n_sm, cfg, launch, dev)
+    selected = radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t,
+                            n_sm, cfg, launch, dev, keep_probs=keep_probs)
+    keys, thr, cut = selected[:3]
     # 3. O_ref, C_ref and mass in one pass over V, then the split combine
     e_group = (f + 1) * m_group
     block_e = max(16, next_pow2(min(e_group, 64)))
@@ -559,4 +562,6 @@ def reference_attention_triton(q, k, v, mask, scale, fractions, capacities, *, w
         D=d, SPLIT_P2=next_pow2(split_c),
         num_warps=4,
     )
+    if keep_probs:
+        return out, keys, count, mass, o_ref, c_ref, selected[3]
     return out, keys, count, mass, o_ref, c_ref

@@ -13,6 +13,8 @@ probabilities are in [0, 1] so the sortable key ``bits(p) + 1`` (0 for invisible
   key K*), derives how many keys equal to K* to take (lowest indices first), and writes the
   selected indices (ascending) with a cumsum compaction; stores K* and the index of the last
   tie taken, so the predicate ``key > K* or (key == K* and index <= cut)`` reproduces the set.
+  With KEEP_P (``reuse_selected_probabilities``) it also writes each selected key's probability
+  at the key's slot.
 """
 
 from __future__ import annotations
@@ -86,15 +88,18 @@ def _digit_hist(p_row, start, end, pre, prev_lo, cur_lo, NB: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _compact_range(p_row, keys_row, start, end, kstar, need, taken, ties, KMAX, BLOCK: tl.constexpr):
+def _compact_range(p_row, keys_row, psel_row, start, end, kstar, need, taken, ties, KMAX, BLOCK: tl.constexpr,
+                   KEEP_P: tl.constexpr):
     """Writes the selected positions in start..end - 1 (key > K*, or == K* among the first `need`
-    ties of the row) to keys_row at their ranks, given the keys taken and the ties seen before
-    start; returns the position of the last tie taken here (-1 if none)."""
+    ties of the row) to keys_row at their ranks (KEEP_P: their probabilities to psel_row too),
+    given the keys taken and the ties seen before start; returns the position of the last tie
+    taken here (-1 if none)."""
     cut = tl.full([], -1, tl.int32)
     for n0 in range(start, end, BLOCK):
         n = n0 + tl.arange(0, BLOCK)
         n_ok = n < end
-        key = _prob_key(tl.load(p_row + n, mask=n_ok, other=-1.0))
+        pv = tl.load(p_row + n, mask=n_ok, other=-1.0)
+        key = _prob_key(pv)
         eq = n_ok & (key == kstar)
         eq_i = eq.to(tl.int32)
         eq_rank = ties + tl.cumsum(eq_i, 0) - eq_i
@@ -103,6 +108,8 @@ def _compact_range(p_row, keys_row, start, end, kstar, need, taken, ties, KMAX, 
         take_i = take.to(tl.int32)
         pos = taken + tl.cumsum(take_i, 0) - take_i
         tl.store(keys_row + pos, n, mask=take & (pos < KMAX))
+        if KEEP_P:
+            tl.store(psel_row + pos, pv, mask=take & (pos < KMAX))
         cut = tl.maximum(cut, tl.max(tl.where(tie_take & (eq_rank == need - 1), n, -1), 0))
         ties += tl.sum(eq_i, 0)
         taken += tl.sum(take_i, 0)
@@ -167,9 +174,9 @@ def _select_level_kernel(
 
 @triton.jit
 def _select_compact_kernel(
-    p_ptr, kk_ptr, hprev_ptr, pre_prev_ptr, rnk_prev_ptr, above_ptr, keys_ptr, thr_ptr, cut_ptr,
+    p_ptr, kk_ptr, hprev_ptr, pre_prev_ptr, rnk_prev_ptr, above_ptr, keys_ptr, thr_ptr, cut_ptr, psel_ptr,
     S, R, J, CHUNK, SPLIT, KMAX,
-    PREV_WIDTH: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+    PREV_WIDTH: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, KEEP_P: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -198,8 +205,8 @@ def _select_compact_kernel(
             ties += tl.sum(tl.where(bins == d, hc, 0), 0)
         taken += tl.minimum(ties, need)
         start = c * CHUNK
-        cut = _compact_range(p_ptr + row * S, keys_ptr + jr * KMAX, start, tl.minimum(start + CHUNK, S), kstar, need,
-                             taken, ties, KMAX, BLOCK)
+        cut = _compact_range(p_ptr + row * S, keys_ptr + jr * KMAX, psel_ptr + jr * KMAX, start,
+                             tl.minimum(start + CHUNK, S), kstar, need, taken, ties, KMAX, BLOCK, KEEP_P)
         tl.store(cut_ptr + jr, cut, mask=cut >= 0)
 
 
@@ -218,9 +225,11 @@ def radix_digits() -> list[tuple[int, int]]:
     return digits
 
 
-def radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t, n_sm, cfg, launch, dev):
+def radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b, hq, t, n_sm, cfg, launch, dev,
+                 keep_probs: bool = False):
     """The radix select over SPLIT_B programs per row (first, level and compact kernels): the
-    selected keys [F, B, Hq, T, KMAX] (-1 padded), K* and the last tie taken [F, rows]."""
+    selected keys [F, B, Hq, T, KMAX] (-1 padded), K* and the last tie taken [F, rows], and with
+    keep_probs the selected keys' probabilities [F, B, Hq, T, KMAX] (0 padded; else None)."""
     nb = 1 << RADIX_BITS
     want = cfg.split_sel or min(cdiv(4 * n_sm, rows), max(1, s // cfg.min_sel_chunk))
     chunk_b, split_b = split_range(s, cfg.block_sel, want)
@@ -249,10 +258,13 @@ def radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b
     keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
     thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
     cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
+    psel = torch.zeros((f, b, hq, t, kmax), dtype=torch.float32, device=dev) if keep_probs else None
     launch(_select_compact_kernel, (rows, split_b))(
-        probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut,
+        probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut, probs if psel is None else psel,
         s, rows, f, chunk_b, split_b, kmax,
-        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=min(cfg.block_compact, cfg.block_sel),
+        PREV_WIDTH=digits[-1][1], NB=nb, BLOCK=min(cfg.block_compact, cfg.block_sel), KEEP_P=keep_probs,
         num_warps=cfg.num_warps_compact,
     )
+    if keep_probs:
+        return keys, thr, cut, psel
     return keys, thr, cut
