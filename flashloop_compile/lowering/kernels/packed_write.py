@@ -80,7 +80,7 @@ def _write_flush_kernel(
     # on a call's result as a store through every pointer the call was given.
     if depth == 0:
         row += g_start - F
-    else:
+    elif not ONE_TOKEN:  # one token: a single range (the launcher's NCH = 1), nothing before it
         q = F
         while q < g_start:
             pq = q.to(tl.int64) + tl.arange(0, CB).to(tl.int64)
@@ -250,7 +250,7 @@ def _write_tail_kernel(
 # Flush programs per (batch, head), each a contiguous range of groups_per_program of the row's
 # groups: a write of T tokens flushes fewer than T / G + 1 groups (the ring keeps under 2G
 # unflushed positions). At depth > 0 a range first counts the residual rows the groups before it
-# allocate, 1024 positions per step (32 steps at most at 32K).
+# allocate, 256 positions per step.
 PACKED_WRITE = {"groups_per_program": 2}
 
 
@@ -262,7 +262,7 @@ def flush_programs(tn, g: int):
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
     """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
-    ``chunks``: flush programs per (batch, head) (default flush_programs)."""
+    ``chunks``: flush programs per (batch, head) (default flush_programs; one token: always 1)."""
     c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, _, Tn, _ = k.shape
@@ -284,7 +284,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
     # traced by Inductor) must not be specialized: bound it by the static context instead
     nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
-    chunks = flush_programs(Tn, G) if chunks is None else max(1, int(chunks))
+    chunks = 1 if one_token else flush_programs(Tn, G) if chunks is None else max(1, int(chunks))
     wrap(_write_flush_kernel)[(Bc, H, chunks)](
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
@@ -292,7 +292,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         k, v, positions, skey, contig, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        NCH=chunks, D=D, G=G, NSEARCH=nsearch, CB=1024, RP=next_pow2(R), ONE_TOKEN=one_token,
+        NCH=chunks, D=D, G=G, NSEARCH=nsearch, CB=256, RP=next_pow2(R), ONE_TOKEN=one_token,
         num_warps=8,
     )
     bt = 32
