@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cuda_times, graph_of  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P
+
+from flashloop_compile.lowering import packed_sparse_ops as PS
 from flashloop_compile.lowering.kernels import correction as CO, packed_attention as PA, packed_decode as PD, packed_read as PR, sparse_config as SC
 from flashloop_compile.passes.kv_quant import local_keys, selected_positions
 from flashloop_compile.runtime import PackedKVCache
@@ -326,7 +328,7 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         if "correction" in kw:
                             _, keys, count, mass, o_ref, c_ref = corr_inputs()
                             if kw["correction"] == "read_attend":
-                                return P.correction_read_attend(q, keys[0], count[0], mass[0], o_ref, c_ref[0], (pd, kd, vd),
+                                return PS.correction_read_attend(q, keys[0], count[0], mass[0], o_ref, c_ref[0], (pd, kd, vd),
                                                                 depth, tensors, scale)
                             sel = selected_positions(keys[0], count[0], H)
                             k_sel = torch.empty(B, H, sel.shape[-1], D, device="cuda", dtype=DT)

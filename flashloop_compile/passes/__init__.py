@@ -18,6 +18,7 @@ from flashloop_compile.passes.recognize import (
 
 import flashloop_compile.lowering.ops  # noqa: F401  (registers the flashloop ops)
 import flashloop_compile.lowering.packed_ops  # noqa: F401
+import flashloop_compile.lowering.packed_sparse_ops  # noqa: F401
 import flashloop_compile.lowering.prefill_ops  # noqa: F401
 import flashloop_compile.lowering.selection_ops  # noqa: F401
 from flashloop_compile.passes.kv_quant import KVResidualQuantizationPass

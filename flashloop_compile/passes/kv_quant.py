@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
-from flashloop_compile.lowering.packed_ops import local_keys, selected_positions
+from flashloop_compile.lowering.packed_sparse_ops import local_keys, selected_positions
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
 from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe, require_inplace_cache

@@ -27,6 +27,7 @@ from torch import Tensor
 # the programs call these ops: importing the modules registers them
 import flashloop_compile.lowering.ops  # noqa: F401
 import flashloop_compile.lowering.packed_ops  # noqa: F401
+import flashloop_compile.lowering.packed_sparse_ops  # noqa: F401
 import flashloop_compile.lowering.prefill_ops  # noqa: F401
 import flashloop_compile.lowering.selection_ops  # noqa: F401
 from flashloop_compile.config import FlashLoopConfig

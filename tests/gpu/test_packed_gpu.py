@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from flashloop_compile.lowering import packed_ops as P
+
+from flashloop_compile.lowering import packed_sparse_ops as PS
 from flashloop_compile.runtime import PackedKVCache
 
 pytestmark = [
@@ -277,7 +279,7 @@ def test_mma_scores_match_the_tl_scores_kernel(monkeypatch):
     mma_out = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
                              fullgraph=True)(*args)
-    ref = P.packed_reference_attention_aten(*args)
+    ref = PS.packed_reference_attention_aten(*args)
     for name, x, y, z, r in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), mma_out, tl_out, compiled, ref):
         if x.is_floating_point():
             for other in (y, z, r):
@@ -304,7 +306,7 @@ def test_mma_pv_matches_the_tl_pv_kernel(monkeypatch):
     mma_out = torch.ops.flashloop.packed_reference_attention(*args)
     compiled = torch.compile(lambda *a: torch.ops.flashloop.packed_reference_attention(*a), backend="flashloop",
                              fullgraph=True)(*args)
-    ref = P.packed_reference_attention_aten(*args)
+    ref = PS.packed_reference_attention_aten(*args)
     names = ("out", "keys", "count", "mass", "o_ref", "c_ref")
     for i in (1, 2):  # keys, counts: the same scores
         assert torch.equal(mma_out[i], tl_out[i]) and torch.equal(compiled[i], tl_out[i]), names[i]
@@ -338,10 +340,10 @@ def test_the_read_attend_correction_matches_read_then_correct(depth, order):
     q_d = (q.float() + 0.5 * torch.randn(q.shape, device="cuda", generator=g)).to(DT)  # this loop's query
     k_d, v_d = (fk.float() * 1.5).to(DT), (fv.float() - 0.3).to(DT)  # this depth's in-flight token
     cargs = (q_d, keys, count, mass, o_ref, c_ref, ip, k_d, v_d, depth, *c.op_tensors(0), D**-0.5)
-    ref = P.packed_correction_attention_aten(*cargs)
-    k_sel, v_sel = torch.ops.flashloop.packed_read(*c.op_tensors(0), P.selected_positions(keys, count, H), depth,
+    ref = PS.packed_correction_attention_aten(*cargs)
+    k_sel, v_sel = torch.ops.flashloop.packed_read(*c.op_tensors(0), PS.selected_positions(keys, count, H), depth,
                                                    ip, k_d, v_d)
-    two_op = torch.ops.flashloop.correction_attention(q_d, k_sel, v_sel, P.local_keys(keys, H), count, mass, o_ref,
+    two_op = torch.ops.flashloop.correction_attention(q_d, k_sel, v_sel, PS.local_keys(keys, H), count, mass, o_ref,
                                                       c_ref, D**-0.5)
     got = {"read attend": torch.ops.flashloop.packed_correction_attention(*cargs)}
     torch._dynamo.reset()
@@ -362,7 +364,7 @@ def test_packed_reference_matches_aten_and_the_read_then_reference_form(mode):
     _c, args = _reference_case(11)
     if mode == "read":
         args = (args[0].repeat_interleave(2, dim=1), *args[1:])
-    ref = P.packed_reference_attention_aten(*args)
+    ref = PS.packed_reference_attention_aten(*args)
     q, ip, fk, fv, depth, *rest = args
     cache, (mask, scale, fractions, capacities) = rest[:-4], rest[-4:]
     whole = torch.arange(cache[0].shape[2], device="cuda")[None].expand(q.shape[0], -1)

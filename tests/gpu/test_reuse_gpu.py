@@ -17,6 +17,7 @@ import torch
 from flashloop_compile.config import ceil_fraction
 from flashloop_compile.lowering import ops
 from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.lowering import packed_sparse_ops as PS
 
 from .test_packed_gpu import DT, D, H, _reference_case
 from .test_sparse_decode_gpu import _decode_inputs, _probs
@@ -111,9 +112,9 @@ def test_packed_reuse_matches_aten_eager_and_compiled(depth):
     torch.testing.assert_close(probs.sum(-1), mass, rtol=1e-4, atol=1e-6)
     v_d = (fv.float() - 0.3).to(DT)  # this depth's in-flight token
     rargs = (keys, count, probs, o_ref, c_ref, ip, v_d, depth, *c.op_tensors(0))
-    ref = P.packed_reuse_correction_attention_aten(*rargs)
-    _k, v_sel = torch.ops.flashloop.packed_read(*c.op_tensors(0), P.selected_positions(keys, count, H), depth, ip, v_d, v_d)
-    two_op = torch.ops.flashloop.reuse_correction_attention(v_sel, P.local_keys(keys, H), count, probs, o_ref, c_ref)
+    ref = PS.packed_reuse_correction_attention_aten(*rargs)
+    _k, v_sel = torch.ops.flashloop.packed_read(*c.op_tensors(0), PS.selected_positions(keys, count, H), depth, ip, v_d, v_d)
+    two_op = torch.ops.flashloop.reuse_correction_attention(v_sel, PS.local_keys(keys, H), count, probs, o_ref, c_ref)
     out = {"read values": torch.ops.flashloop.packed_reuse_correction_attention(*rargs)}
     torch._dynamo.reset()
     out["compiled"] = torch.compile(lambda *a: torch.ops.flashloop.packed_reuse_correction_attention(*a),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashloop_compile.config import ceil_fraction
-from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.lowering import packed_sparse_ops as PS
 from flashloop_compile.lowering.kernels import packed_read as PR
 from flashloop_compile.lowering.kernels.common import first_inflight
 from flashloop_compile.lowering.packed_layout import PackedTensors
@@ -39,7 +39,7 @@ def _case(dtype, depth: int, padded_row: bool = False, seed: int = 31):
         ip[1, 0] = -1
     mask = (torch.arange(S)[None, :] <= ip)[:, None, None, :]
     tensors = cache.op_tensors(0)
-    _, keys, count, mass, o_ref, c_ref = P.packed_reference_attention_aten(
+    _, keys, count, mass, o_ref, c_ref = PS.packed_reference_attention_aten(
         q, ip, ki, vi, 1, *tensors, mask, 0.125, [0.25], [ceil_fraction(0.25, S)])
     keys, count = keys[0], count[0]
     # ascending positions (the selection's order is not a contract): low tiles in the flushed bulk,
@@ -73,10 +73,10 @@ def test_read_attend_matches_read_then_correct(dtype, depth):
     tensors, args, inflight = _case(dtype, depth)
     q, keys, count = args[:3]
     assert _tile_kinds(tensors, keys, count, inflight[0], depth) == {"bulk", "resolved", "empty"}
-    want = P.packed_correction_attention_aten(*args, *inflight, depth, *tensors, 0.125)
+    want = PS.packed_correction_attention_aten(*args, *inflight, depth, *tensors, 0.125)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for block_p in (TILE, None):  # None: the interpreter's one tile per row
-        got = P.correction_read_attend(*args, inflight, depth, tensors, 0.125, block_p=block_p)
+        got = PS.correction_read_attend(*args, inflight, depth, tensors, 0.125, block_p=block_p)
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"block_p {block_p}: {m}")
 
@@ -91,8 +91,8 @@ def test_read_attend_takes_the_keys_in_any_order_and_a_padded_row():
     valid = torch.arange(keys.shape[-1]) < count[..., None]
     keys = torch.gather(keys, -1, torch.where(valid, torch.rand(keys.shape, generator=g), 2.0).argsort(-1))
     shuffled = (q, keys, count, *rest)
-    want = P.packed_correction_attention_aten(*args, *inflight, 3, *tensors, 0.125)
-    got = P.correction_read_attend(*shuffled, inflight, 3, tensors, 0.125, block_p=TILE)
+    want = PS.packed_correction_attention_aten(*args, *inflight, 3, *tensors, 0.125)
+    got = PS.correction_read_attend(*shuffled, inflight, 3, tensors, 0.125, block_p=TILE)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -123,6 +123,6 @@ def test_an_in_flight_token_inside_the_flushed_bulk_is_read_from_flight():
     assert low < int(PackedTensors(*tensors).flushed[0].min())  # below every depth's flushed boundary of row 0
     ip = ip.clone()
     ip[0, 0] = low
-    want = P.packed_correction_attention_aten(*args, ip, kd, vd, 2, *tensors, 0.125)
-    got = P.correction_read_attend(*args, (ip, kd, vd), 2, tensors, 0.125, block_p=TILE)
+    want = PS.packed_correction_attention_aten(*args, ip, kd, vd, 2, *tensors, 0.125)
+    got = PS.correction_read_attend(*args, (ip, kd, vd), 2, tensors, 0.125, block_p=TILE)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

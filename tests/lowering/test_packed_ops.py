@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from flashloop_compile.lowering import packed_ops as P
+
+from flashloop_compile.lowering import packed_sparse_ops as PS
 from flashloop_compile.reference.attention import causal_attention
 from flashloop_compile.runtime import PackedKVCache, PackedKVOverflowError
 from tests.lowering.packed_scenario import (
@@ -276,7 +278,7 @@ def test_packed_reference_is_the_reference_over_the_packed_read():
     step = (ip, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
     q = torch.randn(2, 2 * H, 1, D, generator=g)
     mask = (torch.arange(192)[None, :] <= ip)[:, None, None, :]
-    got = P.packed_reference_attention(cache, 0, q, step, 1, mask, 0.125, [0.1], [20])
+    got = PS.packed_reference_attention(cache, 0, q, step, 1, mask, 0.125, [0.1], [20])
     kf, vf = P.packed_read(cache, 0, torch.arange(192)[None].expand(2, -1), 1, inflight=step)
     ref = ops.reference_attention(q, kf, vf, mask, 0.125, [0.1], [20])
     for name, a, b in zip(("out", "keys", "count", "mass", "o_ref", "c_ref"), got, ref):
@@ -358,11 +360,11 @@ def test_the_correction_op_equals_read_then_correct():
     step = (ip, torch.randn(2, H, 1, D, generator=g), torch.randn(2, H, 1, D, generator=g))
     q = torch.randn(2, 2 * H, 1, D, generator=g)
     mask = (torch.arange(192)[None, :] <= ip)[:, None, None, :]
-    _, keys, count, mass, o_ref, c_ref = P.packed_reference_attention(cache, 0, q, step, 1, mask, 0.125, [0.1], [20])
+    _, keys, count, mass, o_ref, c_ref = PS.packed_reference_attention(cache, 0, q, step, 1, mask, 0.125, [0.1], [20])
     q3 = torch.randn(q.shape, generator=g)
-    got = P.packed_correction_attention(cache, 0, q3, keys[0], count[0], mass[0], o_ref, c_ref[0], step, 2, 0.125)
-    k_sel, v_sel = P.packed_read(cache, 0, P.selected_positions(keys[0], count[0], H), 2, inflight=step)
-    want = ops.correction_attention(q3, k_sel, v_sel, P.local_keys(keys[0], H), count[0], mass[0], o_ref, c_ref[0],
+    got = PS.packed_correction_attention(cache, 0, q3, keys[0], count[0], mass[0], o_ref, c_ref[0], step, 2, 0.125)
+    k_sel, v_sel = P.packed_read(cache, 0, PS.selected_positions(keys[0], count[0], H), 2, inflight=step)
+    want = ops.correction_attention(q3, k_sel, v_sel, PS.local_keys(keys[0], H), count[0], mass[0], o_ref, c_ref[0],
                                     0.125)
     assert torch.equal(got, want)
     assert not torch.equal(got, o_ref)  # the correction moved the output

@@ -15,6 +15,7 @@ import torch
 
 from flashloop_compile.config import ceil_fraction
 from flashloop_compile.lowering import packed_ops as P
+from flashloop_compile.lowering import packed_sparse_ops as PS
 from flashloop_compile.lowering.kernels import packed_read as PR, reference_attention as RA
 from flashloop_compile.runtime import PackedKVCache
 from tests.lowering.packed_scenario import nested_residual_cache
@@ -76,7 +77,7 @@ def test_linear_reference_matches_aten(dtype, group, depth, fraction):
     lo, window, got = _linear(cache, q, ki, vi, ip, mask, depth, fractions, capacities)
     assert (lo > 0).all() and (lo % 16 == 0).all()  # codes below, the window above
     assert (window.amax(1) >= ip[:, 0]).all() and (window[:, 0] == lo).all()  # every visible key from lo on is in the window
-    ref = P.packed_reference_attention_aten(q, ip, ki, vi, depth, *cache.op_tensors(0), mask, 0.125, fractions, capacities)
+    ref = PS.packed_reference_attention_aten(q, ip, ki, vi, depth, *cache.op_tensors(0), mask, 0.125, fractions, capacities)
     out, keys, count, mass, o_ref, c_ref = got
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.equal(count, ref[2])
@@ -107,7 +108,7 @@ def test_linear_reference_takes_only_the_window_from_the_buffer():
     lo, window, (out, keys, count, mass, o_ref, c_ref) = _linear(cache, q, ki, vi, ip, mask, 1, [0.1], caps)
     assert int(window[0, 0]) == int(lo[0]) and int(lo[0]) <= LENGTHS[0] - 64
     assert (count[0, 1] == 0).all() and (keys[0, 1] == -1).all() and (o_ref[1] == 0).all() and (mass[0, 1] == 0).all()
-    ref = P.packed_reference_attention_aten(q, ip, ki, vi, 1, *cache.op_tensors(0), mask, 0.125, [0.1], caps)
+    ref = PS.packed_reference_attention_aten(q, ip, ki, vi, 1, *cache.op_tensors(0), mask, 0.125, [0.1], caps)
     torch.testing.assert_close(o_ref[0], ref[4][0], atol=1e-5, rtol=1e-5)
 
 
@@ -149,6 +150,6 @@ def test_linear_reference_keeps_the_selected_probabilities():
     torch.testing.assert_close(p_sel[0, :, :, 0], want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(p_sel.sum(-1), mass, atol=1e-5, rtol=1e-5)
     # the op's ATen body keeps the same probabilities at the same keys
-    ref = P.packed_reference_attention_probs_aten(q, ip, ki, vi, 2, *tensors, mask, 0.125, [0.25], caps)
+    ref = PS.packed_reference_attention_probs_aten(q, ip, ki, vi, 2, *tensors, mask, 0.125, [0.25], caps)
     dense = lambda k, p: torch.zeros(B, H, 1, S + 1).scatter(-1, torch.where(k >= 0, k, S).long(), p)[..., :S]  # noqa: E731
     torch.testing.assert_close(dense(keys[0], p_sel[0]), dense(ref[1][0], ref[6][0]), atol=1e-5, rtol=1e-5)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashloop_compile.lowering import packed_ops as P
+
+from flashloop_compile.lowering import packed_sparse_ops as PS
 from flashloop_compile.lowering.kernels import packed_read as PR
 from tests.lowering.test_correction_read_attend import TILE, _case, _tile_kinds
 
@@ -35,11 +36,11 @@ def test_read_values_matches_read_then_reuse(dtype, depth):
     tensors, args, inflight = _reuse_case(dtype, depth)
     keys, count = args[:2]
     assert _tile_kinds(tensors, keys, count, inflight[0], depth) == {"bulk", "resolved", "empty"}
-    want = P.packed_reuse_correction_attention_aten(*args, *inflight, depth, *tensors)
+    want = PS.packed_reuse_correction_attention_aten(*args, *inflight, depth, *tensors)
     assert want.dtype == dtype and want.shape == args[3].shape
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for block_p in (TILE, None):  # None: the interpreter's one tile per row
-        got = P.reuse_read_values(*args, inflight, depth, tensors, block_p=block_p)
+        got = PS.reuse_read_values(*args, inflight, depth, tensors, block_p=block_p)
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"block_p {block_p}: {m}")
 
@@ -48,15 +49,15 @@ def test_read_values_padded_row_is_o_ref_minus_c_ref():
     tensors, args, inflight = _reuse_case(torch.float32, 3, padded_row=True, seed=5)
     keys, count, probs, o_ref, c_ref = args
     assert int(count[1].max()) == 0
-    got = P.reuse_read_values(*args, inflight, 3, tensors, block_p=TILE)
-    torch.testing.assert_close(got, P.packed_reuse_correction_attention_aten(*args, *inflight, 3, *tensors), atol=1e-5, rtol=1e-5)
+    got = PS.reuse_read_values(*args, inflight, 3, tensors, block_p=TILE)
+    torch.testing.assert_close(got, PS.packed_reuse_correction_attention_aten(*args, *inflight, 3, *tensors), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[1], (o_ref - c_ref)[1], atol=1e-6, rtol=0)
 
 
 def test_the_op_on_cpu_is_the_aten_body_and_checks_its_contract():
     tensors, args, inflight = _reuse_case(torch.float32, 2)
     got = torch.ops.flashloop.packed_reuse_correction_attention(*args, *inflight, 2, *tensors)
-    torch.testing.assert_close(got, P.packed_reuse_correction_attention_aten(*args, *inflight, 2, *tensors))
+    torch.testing.assert_close(got, PS.packed_reuse_correction_attention_aten(*args, *inflight, 2, *tensors))
     torch.library.opcheck(torch.ops.flashloop.packed_reuse_correction_attention.default, (*args, *inflight, 2, *tensors))
     keys, count, probs, o_ref, c_ref = args
     meta = [t.to("meta") for t in (keys, count, probs[..., :3], o_ref, c_ref, *inflight)]

@@ -311,7 +311,7 @@ def _run(kernel, grid):
 
 def launch_pv(probs, v, thr, cut, part_o, part_mass, lo, v_base, v_base_min, v_base_scale, v_res, v_res_min,
               v_res_scale, rows, res_layout, chunk: int, split: int, depth: int, run=None):
-    """The body of ``flashloop::mma_linear_pv`` (registered in packed_ops.py): fills the split
+    """The body of ``flashloop::mma_linear_pv`` (registered in packed_sparse_ops.py): fills the split
     partials part_o [split, 2 R, D] and part_mass [split, 2 R] (R = B * Hkv rows, slot 0 then
     slot 1) from probs [R, S] (normalized probabilities, < 0 where invisible), the selection's
     thr / cut [R], the window buffer v [B, Hkv, NW, D] from lo[b] on (unit channel stride) and the

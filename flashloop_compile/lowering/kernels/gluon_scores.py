@@ -25,7 +25,7 @@ scores of a few units, inside the bf16 tolerance; the selection may reorder near
 
 Gluon does not run under the Triton interpreter: on CPU tensors the tl kernel runs (``fits``), and
 the arithmetic of this one is checked there by an emulation (``emulate_scores``) and its compile
-for sm_90. The launch is an opaque custom op (``flashloop::mma_linear_scores``, packed_ops.py):
+for sm_90. The launch is an opaque custom op (``flashloop::mma_linear_scores``, packed_sparse_ops.py):
 Inductor's user-defined Triton kernel support (``wrap_triton``) analyses ``tl`` kernels, not Gluon
 ones. It runs wherever it fits: 1.9x the tl kernel per site, and the 4x32K decode step 30.8 ms
 against 34.1 ms with the tl kernel in the same device call (H200).
@@ -269,7 +269,7 @@ def _prepare(q, k_base_min, k_base_scale, k_res_min, k_res_scale, nb: int, cache
 
 def launch_scores(q, k, mask, probs, part_m, part_l, lo, k_base, k_base_min, k_base_scale, k_res, k_res_min,
                   k_res_scale, rows, res_layout, scale: float, chunk: int, split: int, depth: int, run=None):
-    """The body of ``flashloop::mma_linear_scores`` (registered in packed_ops.py): fills probs
+    """The body of ``flashloop::mma_linear_scores`` (registered in packed_sparse_ops.py): fills probs
     [B * Hkv, S] (scaled scores, -inf where masked) and the split partials part_m / part_l
     [B * Hkv, split] as _scores_linear_kernel does. k: packed_read's window buffer [B, Hkv, NW, D]
     from lo[b] on (unit channel stride), mask [B, Hkv, 1, S] (any strides), q [B, Hkv, 1, D] (unit
