@@ -82,7 +82,73 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-class Engine:
+class Generation:
+    """Batched generation over ``prefill`` / ``decode`` (rows 0..B-1): the loop the Engine and an
+    exported package's loader share. A subclass provides prefill, decode, packed (or None),
+    device, max_batch, max_seq, vocab_size, ``_start_wave`` and ``_too_long``."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | Tensor],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> GenerationResult:
+        """Generate for up to max_batch prompts at once; longer lists run in waves."""
+        prompts = [_token_ids(p, i, self.vocab_size) for i, p in enumerate(prompts)]
+        if not prompts:
+            return GenerationResult([], [], [])
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        longest = max(len(p) for p in prompts)
+        if longest + max_new_tokens > self.max_seq:
+            raise self._too_long(longest, max_new_tokens)
+        stops = _per_request_stops(stop_tokens, len(prompts))
+        out = GenerationResult([], [], [])
+        for w in range(0, len(prompts), self.max_batch):
+            part = self._generate_wave(prompts[w : w + self.max_batch], max_new_tokens, sampling, stops[w : w + self.max_batch])
+            out.tokens += part.tokens
+            out.ttft_s += part.ttft_s
+            out.token_latency_s += part.token_latency_s
+            out.prefill_s += part.prefill_s
+        return out
+
+    def _generate_wave(self, prompts, max_new_tokens, sampling, stops) -> GenerationResult:
+        gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self._start_wave()
+        sync()
+        t0 = time.perf_counter()
+        logits = self.prefill(prompts)
+        if self.packed is not None:
+            self.packed.check_overflow()  # outside any captured region
+        tok = _sample(logits, sampling, gen)
+        sync()
+        prefill_s = time.perf_counter() - t0
+        b = len(prompts)
+        tokens = [[int(x)] for x in tok.tolist()]
+        done = [tokens[i][0] in stops[i] for i in range(b)]
+        pos = torch.tensor([len(p) for p in prompts], device=self.device)
+        latencies = []
+        for _ in range(max_new_tokens - 1):
+            if all(done):
+                break
+            t1 = time.perf_counter()
+            logits = self.decode(tok, pos)
+            tok = _sample(logits, sampling, gen)
+            host = tok.tolist()
+            latencies.append(time.perf_counter() - t1)
+            pos = pos + 1
+            for i in range(b):
+                if not done[i]:
+                    tokens[i].append(host[i])
+                    done[i] = host[i] in stops[i]
+        if self.packed is not None:
+            self.packed.check_overflow()
+        return GenerationResult(tokens, [prefill_s] * b, latencies, prefill_s=prefill_s)
+
+
+class Engine(Generation):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -355,6 +421,10 @@ class Engine:
         log.info("warm-up (compile%s) took %.1f s", " + capture" if self.cuda_graphs else "", seconds)
         return seconds
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
     # -- generation -------------------------------------------------------------------------------
     def generate(
         self,
@@ -364,61 +434,18 @@ class Engine:
         stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> GenerationResult:
         """Generate for up to max_batch prompts at once; longer lists run in waves."""
-        prompts = [_token_ids(p, i, self.model.config.vocab_size) for i, p in enumerate(prompts)]
-        if not prompts:
-            return GenerationResult([], [], [])
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.max_seq:
-            raise ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds max_seq={self.max_seq}: "
-                             f"allocate a larger engine (max_seq <= max_position_embeddings="
-                             f"{self.model.config.max_position_embeddings}) or shorten the prompt")
-        stops = _per_request_stops(stop_tokens, len(prompts))
-        out = GenerationResult([], [], [])
-        for w in range(0, len(prompts), self.max_batch):
-            part = self._generate_wave(prompts[w : w + self.max_batch], max_new_tokens, sampling, stops[w : w + self.max_batch])
-            out.tokens += part.tokens
-            out.ttft_s += part.ttft_s
-            out.token_latency_s += part.token_latency_s
-            out.prefill_s += part.prefill_s
+        out = super().generate(prompts, max_new_tokens, sampling, stop_tokens)
         out.capture_s, out.graphs = self.capture_s, self.num_graphs
         return out
 
-    def _generate_wave(self, prompts, max_new_tokens, sampling, stops) -> GenerationResult:
-        gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+    def _start_wave(self) -> None:
         if self.packed is not None:
             self.packed.reset()  # a wave's requests start with empty slots
-        sync()
-        t0 = time.perf_counter()
-        logits = self.prefill(prompts)
-        if self.packed is not None:
-            self.packed.check_overflow()  # outside any captured region
-        tok = _sample(logits, sampling, gen)
-        sync()
-        prefill_s = time.perf_counter() - t0
-        b = len(prompts)
-        tokens = [[int(x)] for x in tok.tolist()]
-        done = [tokens[i][0] in stops[i] for i in range(b)]
-        pos = torch.tensor([len(p) for p in prompts], device=self.device)
-        latencies = []
-        for _ in range(max_new_tokens - 1):
-            if all(done):
-                break
-            t1 = time.perf_counter()
-            logits = self.decode(tok, pos)
-            tok = _sample(logits, sampling, gen)
-            host = tok.tolist()
-            latencies.append(time.perf_counter() - t1)
-            pos = pos + 1
-            for i in range(b):
-                if not done[i]:
-                    tokens[i].append(host[i])
-                    done[i] = host[i] in stops[i]
-        if self.packed is not None:
-            self.packed.check_overflow()
-        return GenerationResult(tokens, [prefill_s] * b, latencies, prefill_s=prefill_s)
+
+    def _too_long(self, longest: int, max_new_tokens: int) -> Exception:
+        return ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds max_seq={self.max_seq}: "
+                          f"allocate a larger engine (max_seq <= max_position_embeddings="
+                          f"{self.model.config.max_position_embeddings}) or shorten the prompt")
 
 
 def config_label(config: FlashLoopConfig) -> str:

@@ -16,8 +16,6 @@ package calls their CPU bodies); it never imports ``flashloop_compile.models``.
 from __future__ import annotations
 
 import json
-import numbers
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,9 +30,7 @@ import flashloop_compile.lowering.prefill_ops  # noqa: F401
 import flashloop_compile.lowering.selection_ops  # noqa: F401
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PACKED_LAYOUT_VERSION, PackedGeometry
-from flashloop_compile.runtime.engine import (
-    GREEDY, GenerationResult, Sampling, _bucket, _per_request_stops, _sample, _token_ids,
-)
+from flashloop_compile.runtime.engine import Generation, _bucket, _token_ids
 from flashloop_compile.runtime.packed_kv import PackedKVCache
 from flashloop_compile.runtime.state import StepPlan
 
@@ -124,7 +120,7 @@ def _resolved_hash(want: FlashLoopConfig, meta: dict[str, Any]) -> str:
     return want.resolve(meta["num_loops"], head_dim=meta["head_dim"]).hash()
 
 
-class ExportedModel:
+class ExportedModel(Generation):
     """The loaded programs and their caches; see the module docstring."""
 
     def __init__(self, path: Path, meta: dict[str, Any], runners: dict[str, Any]) -> None:
@@ -221,67 +217,13 @@ class ExportedModel:
         self.plan.set([int(x) + 1 for x in pos.tolist()] + [1] * (bucket - b))
         return self._run(decode_name(bucket), ids, p)[:b, -1]
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int] | Tensor],
-        max_new_tokens: int,
-        sampling: Sampling = GREEDY,
-        stop_tokens: Sequence[int] | Sequence[Sequence[int]] | None = None,
-    ) -> GenerationResult:
-        """Generate for up to max_batch prompts at once; longer lists run in waves (Engine.generate)."""
-        prompts = [_token_ids(p, i, self.vocab_size) for i, p in enumerate(prompts)]
-        if not prompts:
-            return GenerationResult([], [], [])
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.max_seq:
-            raise ExportError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is beyond the exported "
-                              f"bound max_seq={self.max_seq}: shorten the prompt, generate fewer tokens or export with "
-                              "a larger max_seq")
-        stops = _per_request_stops(stop_tokens, len(prompts))
-        out = GenerationResult([], [], [])
-        for w in range(0, len(prompts), self.max_batch):
-            part = self._generate_wave(prompts[w : w + self.max_batch], max_new_tokens, sampling, stops[w : w + self.max_batch])
-            out.tokens += part.tokens
-            out.ttft_s += part.ttft_s
-            out.token_latency_s += part.token_latency_s
-            out.prefill_s += part.prefill_s
-        return out
-
-    def _generate_wave(self, prompts, max_new_tokens, sampling, stops) -> GenerationResult:
-        gen = torch.Generator(device=self.device).manual_seed(sampling.seed) if sampling.temperature > 0 else None
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+    def _start_wave(self) -> None:
         self.reset()
-        sync()
-        t0 = time.perf_counter()
-        logits = self.prefill(prompts)
-        if self.packed is not None:
-            self.packed.check_overflow()
-        tok = _sample(logits, sampling, gen)
-        sync()
-        prefill_s = time.perf_counter() - t0
-        b = len(prompts)
-        tokens = [[int(x)] for x in tok.tolist()]
-        done = [tokens[i][0] in stops[i] for i in range(b)]
-        pos = torch.tensor([len(p) for p in prompts], device=self.device)
-        latencies = []
-        for _ in range(max_new_tokens - 1):
-            if all(done):
-                break
-            t1 = time.perf_counter()
-            logits = self.decode(tok, pos)
-            tok = _sample(logits, sampling, gen)
-            host = tok.tolist()
-            latencies.append(time.perf_counter() - t1)
-            pos = pos + 1
-            for i in range(b):
-                if not done[i]:
-                    tokens[i].append(host[i])
-                    done[i] = host[i] in stops[i]
-        if self.packed is not None:
-            self.packed.check_overflow()
-        return GenerationResult(tokens, [prefill_s] * b, latencies, prefill_s=prefill_s)
+
+    def _too_long(self, longest: int, max_new_tokens: int) -> Exception:
+        return ExportError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} is beyond the exported "
+                           f"bound max_seq={self.max_seq}: shorten the prompt, generate fewer tokens or export with "
+                           "a larger max_seq")
 
 
 def load_exported(path: str | Path, *, config: FlashLoopConfig | dict | None = None, device: Any = None,
