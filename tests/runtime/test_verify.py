@@ -97,3 +97,149 @@ def test_a_rolled_back_write_equals_a_cache_that_saw_only_the_accepted_tokens(pr
     a, b = _live_state(rolled, prefix + n + 20), _live_state(clean, prefix + n + 20)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+# -- the engine on the tiny preset -----------------------------------------------------------------
+GROUP = 16  # the ring holds 16..31 tokens: row 0 (30 prompt tokens) flushes block 0..15 at length 32
+PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 21)]
+K, CONTINUE = 4, 3  # draft tokens per verify step; greedy decode steps after the acceptance
+# float32 on CPU: the same math in other GEMM shapes (k query rows against one)
+ATOL = RTOL = 1e-5
+# a row that reads a packed block quantized in one run and exact in the other: INT4 noise of one
+# block (the largest seen on these prompts: 0.31 against logits of magnitude ~3)
+FLUSH_ATOL = 0.5
+
+
+def _config(name: str) -> FlashLoopConfig:
+    switches = {"dense": (False, False, False), "sparse_decode": (False, True, False), "quant": (False, False, True),
+                "all_on": (True, True, True)}[name]
+    return FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32,
+                                                       "kv_residual_quantization.group_size": GROUP})
+
+
+def _engine(model, config, max_batch=2, max_seq=64) -> Engine:
+    torch._dynamo.reset()
+    return Engine(model, config, max_batch=max_batch, max_seq=max_seq, backend=make_backend(config, inner="eager"))
+
+
+def _save(engine: Engine) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in engine.state_tensors().items()}
+
+
+def _load(engine: Engine, state: dict[str, torch.Tensor]) -> None:
+    for n, t in engine.state_tensors().items():
+        t.copy_(state[n])
+
+
+def _continue(engine: Engine, logits: torch.Tensor, pos: torch.Tensor) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """CONTINUE greedy decode steps from the logits [B, V] that pick the first token."""
+    out, tokens = [], []
+    for _ in range(CONTINUE):
+        tok = logits.argmax(-1)
+        tokens.append(tok.tolist())
+        logits = engine.decode(tok, pos).clone()
+        out.append(logits)
+        pos = pos + 1
+    return out, tokens
+
+
+# (config, tokens kept): row 0's step crosses the flush at length 32 (kept with 3 tokens, undone
+# with 1 or 0); row 1's never flushes
+CASES = [("dense", 3), ("sparse_decode", 1), ("quant", 0), ("all_on", 3), ("all_on", 1)]
+
+
+@pytest.mark.parametrize("name,n", CASES, ids=[f"{c}-keep{n}" for c, n in CASES])
+def test_verify_rows_equal_decode_and_a_partial_acceptance_continues_as_if_only_those_tokens_were_fed(name, n):
+    model = tiny()
+    config = _config(name)
+    quant, token_sparse = config.kv_residual_quantization.enabled, config.token_sparse_prefill.enabled
+    engine = _engine(model, config)
+    prompt_logits = engine.prefill(PROMPTS).clone()
+    start = _save(engine)
+    pos = torch.tensor([len(p) for p in PROMPTS])
+    drafts = torch.randint(0, 256, (2, K), generator=torch.Generator().manual_seed(7))
+
+    # row j of the step: a decode of token j after tokens 0..j-1, and the reference's multi-row decode
+    seq = torch.stack([engine.decode(drafts[:, j], pos + j).clone() for j in range(K)], 1)
+    _load(engine, start)
+    verified = engine.verify(drafts, pos).clone()
+    assert verified.shape == (2, K, model.config.vocab_size)
+    for row, prompt in enumerate(PROMPTS):
+        req = ReferenceFlashLoop(model, config).request()
+        req.prefill(prompt)
+        ref = req.decode(drafts[row]).logits
+        # under token-sparse prefill + KV quantization a step's depth-0 flush changes what later
+        # depths read of tokens the prefill left inactive (the engine's decode does the same)
+        tol = FLUSH_ATOL if (row == 0 and quant and token_sparse) else ATOL
+        torch.testing.assert_close(verified[row], ref, atol=tol, rtol=RTOL)
+        # a row whose step crosses a flush reads the block exactly where one-token decodes read it quantized
+        flushes = quant and row == 0
+        torch.testing.assert_close(verified[row, :2], seq[row, :2], atol=ATOL if not (flushes and token_sparse) else FLUSH_ATOL,
+                                   rtol=RTOL)
+        torch.testing.assert_close(verified[row, 2:], seq[row, 2:], atol=FLUSH_ATOL if flushes else ATOL, rtol=RTOL)
+
+    # keep n tokens of both rows, then decode on
+    for row in range(2):
+        assert engine.accept(row, n) == len(PROMPTS[row]) + n
+    first = verified[:, n - 1] if n else prompt_logits
+    rolled, rolled_tokens = _continue(engine, first, pos + n)
+
+    # a run that only ever saw the kept tokens: the same step of n tokens (a decode for one)
+    _load(engine, start)
+    if n >= 2:
+        first = engine.verify(drafts[:, :n], pos)[:, n - 1].clone()
+    elif n == 1:
+        first = engine.decode(drafts[:, 0], pos).clone()
+    else:
+        first = prompt_logits
+    clean, clean_tokens = _continue(engine, first, pos + n)
+    assert rolled_tokens == clean_tokens
+    for a, b in zip(rolled, clean):
+        # row 0 under token-sparse prefill + KV quantization: its kept tokens were computed in a
+        # step whose depth-0 flush the n-token step does not make (the leak above)
+        torch.testing.assert_close(a[0], b[0], atol=FLUSH_ATOL if quant and token_sparse else ATOL, rtol=RTOL)
+        torch.testing.assert_close(a[1], b[1], atol=ATOL, rtol=RTOL)
+
+
+def test_bad_steps_and_acceptances_are_errors_that_say_what_to_change():
+    model = tiny()
+    config = _config("dense")
+    engine = _engine(model, config)
+    with pytest.raises(ValueError, match=r"accept\(row=0, n=1\): no verify step is open"):
+        engine.accept(0, 1)
+    engine.prefill(PROMPTS)
+    pos = torch.tensor([len(p) for p in PROMPTS])
+    tokens = torch.zeros(2, K, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"k in 2..8 tokens per row, got k=1: feed one token with decode\(\)"):
+        engine.verify(tokens[:, :1], pos)
+    with pytest.raises(ValueError, match=r"k in 2..8 tokens per row, got k=9"):
+        engine.verify(torch.zeros(2, 9, dtype=torch.long), pos)
+    with pytest.raises(ValueError, match=r"verify takes tokens \[B, k\]"):
+        engine.verify(tokens[0], pos)
+    with pytest.raises(TypeError, match="token ids must be integers"):
+        engine.verify(tokens.float(), pos)
+    with pytest.raises(ValueError, match=r"verify takes pos \[B=2\]"):
+        engine.verify(tokens, pos[:1])
+    with pytest.raises(ValueError, match=r"row 1 at position 61: a verify step of k=4 tokens needs .* position \+ k <= max_seq=64"):
+        engine.verify(tokens, torch.tensor([30, 61]))
+    with pytest.raises(ValueError, match=r"row 0 at position 0: .*needs a prefilled row"):
+        engine.verify(tokens, torch.tensor([0, 21]))
+    engine.verify(tokens, pos)
+    for n in (5, -1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"accept\(row=0, n={n!r}\): n must be an int in 0..k=4"):
+            engine.accept(0, n)
+    with pytest.raises(ValueError, match=r"accept\(row=2, n=1\): the last verify step has rows 0..1"):
+        engine.accept(2, 1)
+    assert engine.accept(0, 2) == 32
+    with pytest.raises(ValueError, match=r"accept\(row=0, n=2\): row 0 was already accepted"):
+        engine.accept(0, 2)
+    engine.decode(torch.zeros(2, dtype=torch.long), torch.tensor([32, 25]))
+    with pytest.raises(ValueError, match=r"accept\(row=1, n=1\): no verify step is open"):
+        engine.accept(1, 1)
+
+
+def test_verify_needs_a_flashloop_backend():
+    torch._dynamo.reset()
+    engine = Engine(tiny(), FlashLoopConfig(), max_batch=1, max_seq=64, backend="eager")
+    with pytest.raises(ValueError, match=r"verify needs the engine's backend to be flashloop_compile.backend.make_backend"):
+        engine.verify(torch.zeros(1, 2, dtype=torch.long), torch.tensor([5]))
