@@ -8,8 +8,9 @@ under CUDA graphs captured per bucket key, sampling, per-request stop tokens, ti
 The engine allocates the caches once (static addresses), compiles the model with the flashloop
 backend (prefill with a dynamic token dimension, so prompt lengths do not recompile), writes the
 step plan (which rows are real, where prompts end) before every forward, and replays decode from
-CUDA graphs keyed by (phase, batch bucket, config hash). A batch larger than the last bucket runs
-the same compiled code without a graph and says so; it never falls back to dense.
+CUDA graphs keyed by (phase, batch bucket, config hash; and k for a verify step). A batch larger
+than the last bucket runs the same compiled code without a graph and says so; it never falls back
+to dense.
 
 ``engine.warm_up(prompt_len)`` compiles (and on CUDA captures) ahead of the first request, with a
 progress bar on a terminal (``progress=``).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashloop_compile.backend import make_backend
+from flashloop_compile.backend import last_report, make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES
 from flashloop_compile.lowering.packed_ops import packed_kv_write, packed_read
@@ -164,6 +164,10 @@ def test_verify_rows_equal_decode_and_a_partial_acceptance_continues_as_if_only_
     _load(engine, start)
     verified = engine.verify(drafts, pos).clone()
     assert verified.shape == (2, K, model.config.vocab_size)
+    if config.sparse_decode_attention.enabled:  # the k-row graph got the decode rewrites, not the prefill ones
+        report = last_report()
+        assert report.phase == "decode" and report.matched.get("SparseDecodeAttentionPass") == 6, report
+        assert "TokenSparsePrefillPass" not in report.matched, report
     for row, prompt in enumerate(PROMPTS):
         req = ReferenceFlashLoop(model, config).request()
         req.prefill(prompt)
