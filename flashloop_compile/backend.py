@@ -42,9 +42,10 @@ def last_report() -> RewriteReport | None:
     return _reports[-1] if _reports else None
 
 
-def pass_manager(config: FlashLoopConfig) -> PassManager:
-    """The passes of ``config`` with the runtime's state of each model (step plan, packed KV cache)."""
-    return PassManager(config, runtime=ModelStateProvider())
+def pass_manager(config: FlashLoopConfig, phase: str | None = None) -> PassManager:
+    """The passes of ``config`` with the runtime's state of each model (step plan, packed KV cache);
+    ``phase="decode"``: every graph is a decode step (k query rows per row: speculative verification)."""
+    return PassManager(config, runtime=ModelStateProvider(), phase=phase)
 
 
 def flashloop_backend(gm: fx.GraphModule, example_inputs: list[Any], options: Any = None, **kwargs: Any):
@@ -55,21 +56,28 @@ def flashloop_backend(gm: fx.GraphModule, example_inputs: list[Any], options: An
     return _compile(gm, example_inputs, FlashLoopConfig.coerce(options), inner="inductor")
 
 
-def make_backend(options: Any = None, *, inner: str = "inductor"):
+def make_backend(options: Any = None, *, inner: str = "inductor", phase: str | None = None):
     """A backend callable with a fixed config; ``inner="eager"`` runs the rewritten graph without
-    Inductor (fast CPU tests of the rewrites themselves)."""
+    Inductor (fast CPU tests of the rewrites themselves). ``phase="decode"`` rewrites every graph
+    as a decode step, whatever its query length: a multi-query decode (``Engine.verify``'s k
+    tokens per row) gets the decode rewrites (sparse decode's loop-2 selection per query row), not
+    the prefill ones. The callable's ``flashloop_options`` are its (config, inner, phase)."""
     if inner not in ("inductor", "eager"):
         raise ValueError(f"inner must be 'inductor' or 'eager', got {inner!r}")
+    if phase not in (None, "decode"):
+        raise ValueError(f"phase must be None (from the query length) or 'decode', got {phase!r}")
     config = FlashLoopConfig.coerce(options)
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]):
-        return _compile(gm, example_inputs, config, inner)
+        return _compile(gm, example_inputs, config, inner, phase)
 
+    backend.flashloop_options = (config, inner, phase)
     return backend
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopConfig, inner: str):
-    manager = pass_manager(config)
+def _compile(gm: fx.GraphModule, example_inputs: list[Any], config: FlashLoopConfig, inner: str,
+             phase: str | None = None):
+    manager = pass_manager(config, phase)
     report = manager.run(gm, example_inputs)
     fused = fuse_projections(gm, example_inputs) if config.compilation.fuse_projections else FusedProjections()
     report.fused_linears, report.fused_gemms = fused.linears, fused.gemms

@@ -24,8 +24,12 @@ __all__ = ["FlashLoopPass", "PassContext", "Phase", "graph_phase", "RuntimeProvi
 Phase = str  # "prefill" or "decode"
 
 
-def graph_phase(structure: LoopStructure) -> Phase:
-    """Decode graphs take one query token per row; every other graph is a prefill (chunk)."""
+def graph_phase(structure: LoopStructure, declared: Phase | None = None) -> Phase:
+    """Decode graphs take one query token per row; every other graph is a prefill (chunk), unless
+    the compile ``declared`` its phase: a multi-query decode step (speculative verification: k
+    generated tokens per row, causal among themselves) is a decode graph of k query rows."""
+    if declared is not None:
+        return declared
     return "decode" if structure.query_len == 1 else "prefill"
 
 
@@ -125,8 +129,8 @@ class FlashLoopPass:
     def enabled(self) -> bool:
         return getattr(self.config, self.group).enabled
 
-    def applies_to(self, structure: LoopStructure) -> bool:
-        return graph_phase(structure) in self.phases
+    def applies_to(self, structure: LoopStructure, phase: Phase | None = None) -> bool:
+        return graph_phase(structure, phase) in self.phases
 
     def check(self, structure: LoopStructure) -> None:
         """Raise a RecognitionError naming the node if this graph does not allow the rewrite."""

@@ -71,12 +71,17 @@ PASS_ORDER: list[type[FlashLoopPass]] = [
 class PassManager:
     """Runs the enabled passes in a fixed order, then the cleanup tail (DCE, lint, recompile).
     ``runtime`` gives the passes that read runtime state (the step plan, the packed KV cache) the
-    model's; the backend passes runtime/provider.py's (:func:`flashloop_compile.backend.pass_manager`)."""
+    model's; the backend passes runtime/provider.py's (:func:`flashloop_compile.backend.pass_manager`).
+    ``phase``: the phase of every graph it rewrites ("decode": a multi-query decode step's graph of
+    k query rows), or None to tell it from the query length (one row: decode)."""
 
     def __init__(self, config: FlashLoopConfig, passes: list[type[FlashLoopPass]] | None = None, *,
-                 runtime: RuntimeProvider | None = None) -> None:
+                 runtime: RuntimeProvider | None = None, phase: Phase | None = None) -> None:
+        if phase not in (None, "decode", "prefill"):
+            raise ValueError(f"phase must be None, 'decode' or 'prefill', got {phase!r}")
         self.config = config
         self.runtime = runtime
+        self.phase = phase
         self.passes = [p(config) for p in (passes if passes is not None else PASS_ORDER)]
         self.cuts: list[fx.Node] = []  # the last run's layer boundaries, when outlining
 
@@ -98,8 +103,8 @@ class PassManager:
         q_shape = shape_of(structure.sites[0].q) if structure.sites else None
         head_dim = int(q_shape[-1]) if q_shape else None
         self.config.resolve(structure.num_loops, forward_loops=structure.num_loops, head_dim=head_dim)
-        phase = graph_phase(structure)
-        active = [p for p in self.passes if p.enabled and p.applies_to(structure)]
+        phase = graph_phase(structure, self.phase)
+        active = [p for p in self.passes if p.enabled and p.applies_to(structure, phase)]
         for p in active:
             p.check(structure)
         report = RewriteReport(structure.num_loops, structure.num_layers, phase)
@@ -126,12 +131,12 @@ class PassManager:
         return report
 
     def plan(self, structure: LoopStructure) -> list[str]:
-        phase = graph_phase(structure)
+        phase = graph_phase(structure, self.phase)
         lines = []
         for p in self.passes:
             if not p.enabled:
                 continue
-            if not p.applies_to(structure):
+            if not p.applies_to(structure, phase):
                 lines.append(f"{p.name}: not applied to {phase} graphs")
                 continue
             p.check(structure)

@@ -8,8 +8,9 @@ under CUDA graphs captured per bucket key, sampling, per-request stop tokens, ti
 The engine allocates the caches once (static addresses), compiles the model with the flashloop
 backend (prefill with a dynamic token dimension, so prompt lengths do not recompile), writes the
 step plan (which rows are real, where prompts end) before every forward, and replays decode from
-CUDA graphs keyed by (phase, batch bucket, config hash). A batch larger than the last bucket runs
-the same compiled code without a graph and says so; it never falls back to dense.
+CUDA graphs keyed by (phase, batch bucket, config hash; and k for a verify step). A batch larger
+than the last bucket runs the same compiled code without a graph and says so; it never falls back
+to dense.
 
 ``engine.warm_up(prompt_len)`` compiles (and on CUDA captures) ahead of the first request, with a
 progress bar on a terminal (``progress=``).
@@ -17,7 +18,9 @@ progress bar on a terminal (``progress=``).
 A host engine that schedules requests itself drives the steps: ``prefill`` (rows 0..B-1),
 ``decode`` (rows 0..B-1, a row it does not serve fed token 0 at position 0, as graph padding is),
 ``snapshot(row, position)`` and ``restore(snapshot, row)`` to move one request's cache to another
-row, engine or process (runtime/snapshot.py).
+row, engine or process (runtime/snapshot.py), ``verify`` (k = 2..8 tokens per row, causal among
+themselves: speculative verification; CUDA graphs keyed by (batch bucket, k)) and ``accept(row, n)``
+to keep the first n of them (runtime/verify.py: the cache becomes that of a step of n tokens).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_T
 from flashloop_compile.runtime.packed_kv import PackedKVCache
 from flashloop_compile.runtime.snapshot import CacheGeometry, RowCaches, RowSnapshot, restore_row, snapshot_row
 from flashloop_compile.runtime.state import state_for_model
+from flashloop_compile.runtime.verify import MAX_VERIFY_TOKENS, MIN_VERIFY_TOKENS, StepUndo
 
 __all__ = ["Engine", "Sampling", "GenerationResult", "BATCH_BUCKETS"]
 
@@ -198,7 +202,10 @@ class Engine(Generation):
             self.packed = self._allocate_packed(max_new_tokens)
         # fullgraph: a graph break would hand the backend fragments; the limit: Dynamo falls back to
         # running eagerly (dense) when it is hit, which must be an error here.
-        self.compiled = torch.compile(model, backend=backend or make_backend(self.config), fullgraph=True)
+        self.backend = backend or make_backend(self.config)
+        self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
+        self._verify_compiled = None  # the multi-query decode graphs' (compiled on first use)
+        self._pending: _PendingStep | None = None  # the last verify step, until the next forward
         self._dynamo_config = dict(recompile_limit=64, fail_on_recompile_limit_hit=True)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.capture_s = 0.0
@@ -268,22 +275,26 @@ class Engine(Generation):
         geometry, dtype or format version is an error before any byte is written. The returned
         logits are on this engine's device."""
         snap = restore_row(self.row_caches(), snapshot, row)
+        if self._pending is not None:
+            self._pending.open.discard(row)  # the restored request replaces the step's row
         if snap.logits is not None:
             snap.logits = snap.logits.to(self.device)
         return snap
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def _forward(self, ids: Tensor, pos: Tensor, seq_lens: list[int], last_pos: list[int] | None, dynamic: bool) -> Tensor:
+    def _forward(self, ids: Tensor, pos: Tensor, seq_lens: list[int], last_pos: list[int] | None, dynamic: bool,
+                 compiled=None) -> Tensor:
         self.state.plan.set(seq_lens, last_pos)
         if dynamic:
             torch._dynamo.mark_dynamic(ids, 1)
             torch._dynamo.mark_dynamic(pos, 1)
         with torch._dynamo.config.patch(**self._dynamo_config):
-            return self.compiled(ids, pos)
+            return (self.compiled if compiled is None else compiled)(ids, pos)
 
     def prefill(self, prompts: list[Tensor]) -> Tensor:
         """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V]."""
+        self._pending = None
         prompts = [_token_ids(p, i, self.model.config.vocab_size) for i, p in enumerate(prompts)]
         b = len(prompts)
         lengths = [len(p) for p in prompts]
@@ -318,6 +329,7 @@ class Engine(Generation):
         batch past the last bucket does (e.g. to check a replay against direct execution on the
         same cache state).
         """
+        self._pending = None
         b = tok.shape[0]
         use_graph = self.cuda_graphs and graph
         bucket = _bucket(b, self.buckets) if use_graph else None
@@ -338,7 +350,104 @@ class Engine(Generation):
         cuda_graph.replay()
         return static_out[:b]
 
-    def _capture_inputs(self, bucket: int) -> tuple[Tensor, Tensor]:
+    # -- multi-query decode (speculative verification) --------------------------------------------
+    def verify(self, tokens: Tensor, pos: Tensor, *, graph: bool = True) -> Tensor:
+        """A decode step of k = 2..8 tokens per row for rows 0..B-1 (tokens [B, k] at positions
+        pos[b] .. pos[b] + k - 1, pos [B] each row's length); logits [B, k, V].
+
+        Row j of a row's step attends to the cache and the step's tokens 0..j (causal), with its own
+        loop-2 selection and corrections under sparse decode; every token is written (packed under
+        KV quantization). It reads the cache as it stood before the step (the reference's multi-row
+        decode): where k one-token decodes would flush a packed block between two of the tokens, the
+        later rows see that block's tokens exactly instead of quantized. All k tokens stay in the
+        cache unless ``accept(row, n)`` keeps fewer, before the next forward.
+
+        With CUDA graphs the step replays the graph of (batch bucket, k), captured on first use;
+        padded rows feed token 0 at the scratch position max_seq - 1 and store nothing packed. The
+        logits are a view of the graph's static output. ``graph=False`` runs it directly.
+        """
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            raise ValueError(f"verify takes tokens [B, k], got {getattr(tokens, 'shape', type(tokens).__name__)}")
+        b, k = tokens.shape
+        if not MIN_VERIFY_TOKENS <= k <= MAX_VERIFY_TOKENS:
+            raise ValueError(f"verify takes k in {MIN_VERIFY_TOKENS}..{MAX_VERIFY_TOKENS} tokens per row, got k={k}"
+                             + (": feed one token with decode()" if k == 1 else ""))
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"verify batch {b} must be in 1..max_batch={self.max_batch}")
+        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise TypeError(f"verify tokens have dtype {tokens.dtype}: token ids must be integers")
+        if tuple(pos.shape) != (b,):
+            raise ValueError(f"verify takes pos [B={b}] (each row's length), got shape {tuple(pos.shape)}")
+        starts = [int(p) for p in pos.tolist()]
+        bad = [(i, p) for i, p in enumerate(starts) if not 1 <= p <= self.max_seq - k]
+        if bad:
+            i, p = bad[0]
+            raise ValueError(f"row {i} at position {p}: a verify step of k={k} tokens needs a prefilled row with "
+                             f"position + k <= max_seq={self.max_seq}")
+        compiled = self._verify_model()
+        self._pending = None
+        undo = StepUndo.capture(self.packed, starts, k) if self.packed is not None else None
+        tokens = tokens.to(self.device, torch.long)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(k, device=self.device)
+        use_graph = self.cuda_graphs and graph
+        bucket = _bucket(b, self.buckets) if use_graph else None
+        if bucket is None:
+            if use_graph:
+                warnings.warn(f"verify batch {b} is outside the CUDA-graph buckets {self.buckets}: running without a graph")
+            torch._dynamo.mark_static(tokens, 1)
+            torch._dynamo.mark_static(positions, 1)
+            logits = self._forward(tokens, positions, [p + k for p in starts], None, dynamic=False, compiled=compiled)
+        else:
+            key = ("verify", bucket, k, self.config.hash())
+            if key not in self._graphs:
+                self._graphs[key] = self._capture(bucket, k)
+            cuda_graph, static_tok, static_pos, static_out = self._graphs[key]
+            static_tok.zero_()
+            static_pos.fill_(self.max_seq - 1)
+            static_tok[:b] = tokens
+            static_pos[:b] = positions
+            self.state.plan.set([p + k for p in starts] + [self.max_seq - 1] * (bucket - b))
+            cuda_graph.replay()
+            logits = static_out[:b]
+        self._pending = _PendingStep(undo, starts, k, set(range(b)))
+        return logits
+
+    def accept(self, row: int, n: int) -> int:
+        """Keep the first ``n`` (0..k) of row ``row``'s tokens of the last verify step; the other
+        k - n are forgotten: the cache becomes exactly what a step of those n tokens would have left
+        (tail ring, row maps, depth counts, flushed blocks: runtime/verify.py). Returns the row's
+        next position (its length). A row not accepted keeps all k tokens; the next forward ends the
+        step's rollback window."""
+        p = self._pending
+        if isinstance(row, bool) or not isinstance(row, numbers.Integral):
+            raise TypeError(f"accept takes a row index, got {row!r}")
+        if p is None or row not in p.open:
+            why = ("no verify step is open (accept follows verify, before the next prefill, decode, verify or "
+                   "restore)") if p is None else (f"row {row} was already accepted" if 0 <= row < len(p.starts)
+                                                  else f"the last verify step has rows 0..{len(p.starts) - 1}")
+            raise ValueError(f"accept(row={row}, n={n!r}): {why}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 0 <= n <= p.k:
+            raise ValueError(f"accept(row={row}, n={n!r}): n must be an int in 0..k={p.k} (the tokens to keep)")
+        if p.undo is not None:
+            p.undo.roll_back(self.packed, int(row), int(n))
+        p.open.discard(row)
+        return p.starts[row] + int(n)
+
+    def _verify_model(self):
+        """The model compiled with the backend's decode phase for every graph (k query rows)."""
+        if self._verify_compiled is None:
+            from flashloop_compile.backend import make_backend
+
+            options = getattr(self.backend, "flashloop_options", None)
+            if options is None:
+                raise ValueError("verify needs the engine's backend to be flashloop_compile.backend.make_backend(...)'s: "
+                                 f"it compiles the k-token step as a decode graph, which {self.backend!r} cannot be told")
+            config, inner, _ = options
+            self._verify_compiled = torch.compile(self.model, backend=make_backend(config, inner=inner, phase="decode"),
+                                                  fullgraph=True)
+        return self._verify_compiled
+
+    def _capture_inputs(self, bucket: int, k: int = 1) -> tuple[Tensor, Tensor]:
         """Static inputs of a bucket's decode graph, planned for the warm-up and capture forwards.
 
         Those forwards run at a bucket's first decode step, while requests are live in slots
@@ -349,38 +458,46 @@ class Engine(Generation):
         writes before reading it (attention is causal). Feeding position 0 instead overwrote the
         first prompt token's K/V (and, packed, a live tail slot) of every row.
         """
-        scratch = self.max_seq - 1
-        static_tok = torch.zeros(bucket, 1, dtype=torch.long, device=self.device)
-        static_pos = torch.full((bucket, 1), scratch, dtype=torch.long, device=self.device)
+        scratch = self.max_seq - 1  # every token of a verify step's row too (all padding)
+        static_tok = torch.zeros(bucket, k, dtype=torch.long, device=self.device)
+        static_pos = torch.full((bucket, k), scratch, dtype=torch.long, device=self.device)
         self.state.plan.set([scratch] * bucket)
         return static_tok, static_pos
 
-    def _capture(self, bucket: int):
+    def _capture(self, bucket: int, k: int | None = None):
         from flashloop_compile.runtime.progress import COMPILE_HINT, Progress
 
         # warm_up's bar already says what runs; a bucket first met while serving gets its own
-        bar = Progress(1, f"decode CUDA graph, batch bucket {bucket}", enabled=False if self._warming else self.progress,
-                       leave=False)
+        what = f"decode CUDA graph, batch bucket {bucket}" + (f", {k} tokens per row" if k else "")
+        bar = Progress(1, what, enabled=False if self._warming else self.progress, leave=False)
         bar.stage(f"compiling and capturing ({COMPILE_HINT})")
         try:
-            return self._capture_graph(bucket)
+            return self._capture_graph(bucket, k)
         finally:
             bar.close()
 
-    def _capture_graph(self, bucket: int):
+    def _capture_graph(self, bucket: int, k: int | None = None):
+        """The decode graph of a batch bucket (k None: one token per row, the last logits) or the
+        verify graph of (bucket, k) (every row's k logits)."""
         t0 = time.perf_counter()
-        static_tok, static_pos = self._capture_inputs(bucket)
+        static_tok, static_pos = self._capture_inputs(bucket, k or 1)
+        compiled = self.compiled if k is None else self._verify_model()
+        if k is not None:
+            torch._dynamo.mark_static(static_tok, 1)
+            torch._dynamo.mark_static(static_pos, 1)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad(), torch._dynamo.config.patch(**self._dynamo_config):
             for _ in range(3):  # compile + warm up outside the capture
-                self.compiled(static_tok, static_pos)
+                compiled(static_tok, static_pos)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.no_grad(), torch._dynamo.config.patch(**self._dynamo_config):
-            static_out = self.compiled(static_tok, static_pos)[:, -1]
+            out = compiled(static_tok, static_pos)
+            static_out = out[:, -1] if k is None else out
         self.capture_s += time.perf_counter() - t0
-        log.info("captured decode graph for batch bucket %d in %.1f s", bucket, time.perf_counter() - t0)
+        log.info("captured %s graph for batch bucket %d%s in %.1f s", "decode" if k is None else "verify", bucket,
+                 "" if k is None else f", k={k}", time.perf_counter() - t0)
         return graph, static_tok, static_pos, static_out
 
     @property
@@ -439,6 +556,7 @@ class Engine(Generation):
         return out
 
     def _start_wave(self) -> None:
+        self._pending = None
         if self.packed is not None:
             self.packed.reset()  # a wave's requests start with empty slots
 
@@ -446,6 +564,17 @@ class Engine(Generation):
         return ValueError(f"a prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds max_seq={self.max_seq}: "
                           f"allocate a larger engine (max_seq <= max_position_embeddings="
                           f"{self.model.config.max_position_embeddings}) or shorten the prompt")
+
+
+@dataclass
+class _PendingStep:
+    """The last verify step: what undoes its packed writes (None: dense), each row's length before
+    it, k, and the rows not yet accepted."""
+
+    undo: StepUndo | None
+    starts: list[int]
+    k: int
+    open: set[int]
 
 
 def config_label(config: FlashLoopConfig) -> str:
