@@ -1,8 +1,9 @@
 """End-to-end generation through the engine: dense vs all features on, same process,
 both decoding under the engine's CUDA graphs (one graph per engine: its batch is its only bucket).
-Both attend their prefill through ``flashloop.position_attention`` (``--position-attention``, on by
-default): the exact rewrite of the model's masked SDPA, so dense is the stronger dense (1x32K
-prefill 3343 -> 1593 ms); all-on's quantized prefill does not depend on it.
+Both take the backend's default prefill attention (``compilation.position_attention``, the exact
+rewrite of the model's masked SDPA): a fresh prompt's dense loops run causal SDPA over its own K/V
+(FlashAttention), so dense is the strongest exact dense; ``--no-position-attention`` keeps the
+model's masked SDPA.
 
 Part 1, per shape ``BxPROMPT+NEW`` and configuration: an Engine sized for the shape, a warm-up
 ``generate`` of 2 tokens (compile + capture), a probe ``generate`` of 2 tokens and three decode
@@ -513,10 +514,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="compile each distinct layer once (compilation.outline_layers)")
     ap.add_argument("--options", default="{}", help="JSON object of FlashLoopConfig flat keys laid over every config "
                     "(e.g. '{\"compilation.fuse_projections\": false}' for an A/B of one option)")
-    ap.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=True,
-                    help="prefill attention masked by position through flashloop.position_attention in every config, "
-                         "dense included (compilation.position_attention: exact; dense 1x32K prefill 3343 -> 1593 ms, "
-                         "benchmarks/RESULTS.md); --no-position-attention: the model's own masked SDPA")
+    ap.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="compilation.position_attention in every config, dense included: the fastest exact prefill "
+                         "attention (causal SDPA for a fresh prompt, flashloop.position_attention at given positions); "
+                         "default: wherever it applies; --position-attention: required; --no-position-attention: the "
+                         "model's own masked SDPA (dense 1x32K prefill 3343 ms, benchmarks/RESULTS.md)")
     ap.add_argument("--inner", choices=["auto", "inductor", "eager"], default="auto",
                     help="compile the rewritten graph with inductor, or run it eagerly; auto: inductor on CUDA, eager on the CPU")
     ap.add_argument("--max-batch", action=argparse.BooleanOptionalAction, default=True,

@@ -1,20 +1,27 @@
 """Prefill latency at a real Ouro shape: dense vs token-sparse vs all features, same process.
 
-Per (batch, tokens) the prefill graph is traced once by Dynamo with a dynamic token dimension, as
-the engine traces it (token-sparse prefill needs it; `--no-dynamic` traces static shapes, dense
+Per (batch, tokens) the prefill graph is traced by Dynamo with a dynamic token dimension, as the
+engine traces it (token-sparse prefill needs it; `--no-dynamic` traces static shapes, dense
 only), with caches of prompt + `--headroom` positions; each configuration compiles a copy with the
 flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak memory per config.
 
     python benchmarks/bench_prefill.py --shapes 1x8192,1x32768 --deadline 480
-    python benchmarks/bench_prefill.py --shapes 1x32768 --configs all_on --profile 1   # device time per kernel family
+    python benchmarks/bench_prefill.py --shapes 1x32768 --configs dense,all_on --profile 1   # device time per kernel family
 
-``dense_causal`` is a reference, not the same model: the model's attention masks by position over
-the whole cache (SDPA with a boolean mask [B, 1, T, S]: PyTorch's masked kernel, 30.7 ms a site at
-32K on the H200 against 6.7 for the causal flash kernel, RESULTS.md), which every
-``dense`` row and every FlashLoop ratio against it includes. ``dense_causal`` traces the model with
-that call replaced by causal SDPA over the prompt's own keys (cache positions [0, T), just
-written): what a dense server's FlashAttention prefill costs. Valid for the bench's input only (a
-fresh, unpadded prompt at positions 0..T-1); ``speedup_vs_dense_causal`` compares with it.
+The prompt is fresh (positions 0..T-1): the model is traced without ``input_pos``, as the engine
+calls a prompt's first chunk, so the backend's default (``compilation.position_attention``) runs
+the dense loops' attention as causal SDPA over the prompt's own K/V (FlashAttention: bucket
+``sdpa`` of the profile) and only token-sparse loops 3..R use ``position_attention``
+(``prefill_attn``). Other traces of the same prompt, each checked against ``dense``'s output:
+
+- ``dense_position``, ``token_sparse_position``: traced with ``input_pos`` given, as a chunk over
+  a stored prefix is: every site through ``flashloop.position_attention`` (or, quantized,
+  ``packed_attention``);
+- ``dense_masked``: the model's own SDPA masked over the whole cache
+  (``compilation.position_attention: false``; 30.7 ms a site at 32K on the H200, RESULTS.md);
+- ``dense_causal``: the model traced with its attention replaced by causal SDPA over cache
+  positions [0, T) by hand (what a dense server's FlashAttention prefill costs, independent of the
+  backend's rewrite); ``speedup_vs_dense_causal`` compares with it.
 """
 
 from __future__ import annotations
@@ -35,22 +42,26 @@ from common import (  # noqa: E402
 )
 
 CONFIGS = {
-    "dense": {},
+    "dense": {},  # the backend's default: a fresh prompt's attention is causal SDPA
     "dense_causal": {},  # a different trace: see the module docstring
-    # the exact position-attention rewrite (compilation.position_attention): the dense baseline
-    "dense_position": {"compilation.position_attention": True},
-    "token_sparse_position": {"token_sparse_prefill.enabled": True, "compilation.position_attention": True},
+    "dense_position": {},  # traced at given positions: position_attention at every site
+    "dense_masked": {"compilation.position_attention": False},  # the model's masked SDPA
     "token_sparse": {"token_sparse_prefill.enabled": True},
+    "token_sparse_position": {"token_sparse_prefill.enabled": True},  # traced at given positions
+    "kv_quant": {"kv_residual_quantization.enabled": True},
     "all_on": {
         "token_sparse_prefill.enabled": True,
         "sparse_decode_attention.enabled": True,
         "kv_residual_quantization.enabled": True,
     },
 }
+# how each config's graph is traced: "fresh" (no input_pos), "positions" (input_pos given) or
+# "causal" (the hand-written causal SDPA)
+TRACES = {"dense_causal": "causal", "dense_position": "positions", "token_sparse_position": "positions"}
 
 
 # dense computed another way: each is checked against dense's output when both run
-EXACT_DENSE = ("dense_causal", "dense_position")
+EXACT_DENSE = ("dense_causal", "dense_position", "dense_masked")
 
 
 @contextlib.contextmanager
@@ -106,9 +117,17 @@ def main() -> None:
         model.setup_caches(b, t + args.headroom)
         ids = torch.randint(0, cfg.vocab_size, (b, t), device=device())
         pos = torch.arange(t, device=device())[None].expand(b, -1).contiguous()
-        t0 = time.perf_counter()
-        gm, inputs = capture_graph(model, ids, pos, dynamic_tokens=args.dynamic)
-        trace_s = time.perf_counter() - t0
+        traces: dict[str, tuple] = {}
+
+        def trace(kind: str):
+            """The graph of one trace kind (see TRACES), captured once per shape."""
+            if kind not in traces:
+                t0 = time.perf_counter()
+                with causal_prompt_attention() if kind == "causal" else contextlib.nullcontext():
+                    traced = capture_graph(model, *((ids,) if kind == "fresh" else (ids, pos)), dynamic_tokens=args.dynamic)
+                traces[kind] = (*traced, time.perf_counter() - t0)
+            return traces[kind]
+
         dense_ms = causal_ms = dense_out = None
         configs = args.configs.split(",")
         for name in configs:
@@ -117,10 +136,7 @@ def main() -> None:
                 continue
             options = {**CONFIGS[name], "compilation.outline_layers": args.outline}
             try:
-                graph, graph_inputs = gm, inputs
-                if name == "dense_causal":
-                    with causal_prompt_attention():
-                        graph, graph_inputs = capture_graph(model, ids, pos, dynamic_tokens=args.dynamic)
+                graph, graph_inputs, trace_s = trace(TRACES.get(name, "fresh"))
                 fn, pass_s, report = compile_variant(graph, graph_inputs, options)
                 state = state_for_model(model)
                 packed = state.packed if state else None
@@ -175,13 +191,13 @@ def main() -> None:
                 "ms": ms, "p10_ms": timing["p10_ms"], "p90_ms": timing["p90_ms"],
                 "speedup_vs_dense": (dense_ms / ms) if dense_ms else None,
                 "speedup_vs_dense_causal": (causal_ms / ms) if causal_ms else None, "peak_memory_gb": peak,
-                "trace_s": trace_s, "compile_s": compile_s, "report": str(report), **check,
+                "trace": TRACES.get(name, "fresh"), "trace_s": trace_s, "compile_s": compile_s, "report": str(report), **check,
                 **({"profile": prof} if prof else {}),
             })
             if prof:
                 print_profile(name, shape, prof)
             del fn, graph, graph_inputs
-        del gm, inputs
+        del traces
     print("done", flush=True)
 
 

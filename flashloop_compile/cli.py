@@ -618,9 +618,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
                    help="compile the rewritten graph with inductor, or run it eagerly (quick CPU runs)")
     b.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True, help="compile each distinct layer once")
-    b.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=True,
-                   help="prefill attention masked by position through flashloop.position_attention in every config, dense "
-                        "included (exact: the stronger dense); --no-position-attention keeps the model's masked SDPA")
+    b.add_argument("--position-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="compilation.position_attention in every config, dense included: the fastest exact prefill "
+                        "attention (causal SDPA for a fresh prompt, flashloop.position_attention at given positions); "
+                        "default: wherever it applies; --position-attention: required; --no-position-attention: the "
+                        "model's masked SDPA")
     b.add_argument("--json")
     b.add_argument("--plot", help="PNG of TTFT, TPOT and KV memory against context")
     b.set_defaults(func=cmd_bench)

@@ -205,26 +205,38 @@ class Compilation:
     outline_layers: compile each distinct layer once and reuse it for every loop and layer
         (see passes/outline.py) instead of compiling the unrolled R*N layers as one graph.
         Much faster compiles; no fusion across layer boundaries.
-    position_attention: prefill attention masked by position (SDPA with a boolean mask over the
-        whole cache) becomes flashloop.position_attention, which skips the keys after a query
-        tile's last position (passes/position_attention.py). Exact; 1x32K prefill 3343 -> 1593 ms
-        (dense), 1862 -> 968 ms (token-sparse) on the H200. Off by default: the pass needs an in-place
-        cache and a position mask, which a features-off compile of any model need not have.
+    position_attention: the fastest exact attention for every prefill site (passes/position_attention.py).
+        A prefill of a fresh prompt (positions 0..T-1 built in the graph: the model called
+        without ``input_pos``, as the engine calls a prompt's first chunk) attends its dense loops
+        with causal SDPA over the prompt's own K/V (FlashAttention / cuDNN on the GPU); a prefill
+        at given positions (a chunk over a stored prefix) attends through
+        flashloop.position_attention, which skips the keys after a query tile's last position.
+        Either replaces the model's SDPA masked over the whole cache (1x32K dense prefill on the
+        H200: 3343 ms masked, 1593 ms position_attention). ``None`` (the default): wherever the
+        graph has the pattern (an in-place cache, a position mask); a graph without it compiles
+        unchanged. ``True``: required, an error naming the site where it cannot apply. ``False``:
+        off (the model's own masked SDPA; for debugging and measuring).
     fuse_projections: linears sharing an input (Q/K/V, gate/up) become one GEMM over weights
         concatenated at compile time (passes/fuse_projections.py). Exact; in every configuration,
         features off included. Off only to debug or to measure the fusion.
     """
 
     outline_layers: bool = False
-    position_attention: bool = False
+    position_attention: bool | None = None
     fuse_projections: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self)
+        if self.position_attention is not None and not isinstance(self.position_attention, bool):
+            raise ConfigError(
+                f"compilation.position_attention must be true (required), false (off) or null (wherever it applies, "
+                f"the default), got {self.position_attention!r}"
+            )
 
     @property
     def enabled(self) -> bool:
-        return self.outline_layers or self.position_attention
+        """Whether a compilation rewrite is asked for (the default, best-effort prefill attention is not)."""
+        return self.outline_layers or self.position_attention is True
 
 
 _GROUP_KEYS = {

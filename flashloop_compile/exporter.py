@@ -87,8 +87,9 @@ class _Program(torch.nn.Module):
         self.plan: list[tuple[str, Any]] = []
         placeholders = [n for n in capture.gm.graph.nodes if n.op == "placeholder"]
         ids_node = next(n for n in placeholders if "input_ids" in n.name)
-        pos_node = next(n for n in placeholders if "input_pos" in n.name)
-        token_vals = [_val(ids_node), _val(pos_node)]
+        # a fresh prompt's prefill builds its positions in the graph: no input_pos placeholder
+        pos_node = next((n for n in placeholders if "input_pos" in n.name), None)
+        token_vals = [_val(ids_node), _val(pos_node) if pos_node is not None else None]
         self.state_order: list[str] = []
         for node, x in zip(placeholders, capture.inputs):
             if isinstance(x, (int, torch.SymInt)):  # a dynamic size: a dimension of the token inputs

@@ -178,8 +178,8 @@ def test_bench_grid_writes_json(tmp_path, capsys):
     assert main(args) == 0
     rows = json.loads(out.read_text())
     assert [r["config"] for r in rows] == ["dense", "all_on"]
-    # every config, dense included, attends its prefill through position_attention unless told not to
-    assert all(r["options"]["compilation.position_attention"] for r in rows)
+    # every config, dense included, takes the fast exact prefill attention by default (None: wherever it applies)
+    assert all(r["options"]["compilation.position_attention"] is None for r in rows)
     assert rows[0]["options"]["kv_residual_quantization.enabled"] is False
     assert rows[0]["kv_ratio"] == 1.0 and rows[1]["kv_ratio"] > 1.0
     assert all(r["ttft_ms"] > 0 and r["tpot_ms"] > 0 for r in rows)

@@ -19,7 +19,12 @@ oracle), and a fake implementation whose ``torch._check`` calls state the contra
   q, k, v share one dtype (bf16, fp16 or fp32); D in {16, 32, 64, 128}. Softmax statistics
   and accumulation in FP32.
 
-Token-sparse prefill uses it for loops 3..R: the active queries (sorted absolute positions,
+- ``prompt_attention(q, k, v, scale)`` -> out: causal attention of a fresh prompt (positions
+  0..T-1) over its own K/V [B, Hkv, T, D], as SDPA with ``is_causal`` (a plain function, not an
+  op: Inductor runs its flash / cuDNN / memory-efficient kernel on the GPU; on CPU the
+  position_attention oracle, FP32).
+
+Token-sparse prefill uses position_attention for loops 3..R: the active queries (sorted absolute positions,
 padded with -1) attend to the loop's logical KV cache, inactive tokens' inherited K/V included,
 without materializing the boolean mask ``[B, 1, Tq, S]`` that SDPA needs.
 """
@@ -29,12 +34,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flashloop_compile.lowering.kernels.common import SUPPORTED_HEAD_DIMS
 
 
-__all__ = ["position_attention", "position_attention_aten"]
+__all__ = ["position_attention", "position_attention_aten", "prompt_attention"]
 
 LIB = "flashloop"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -53,6 +59,17 @@ def position_attention_aten(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scal
     probs = torch.softmax(scores, dim=-1)
     probs = torch.where(visible.any(-1)[:, None, :, None], probs, 0.0)  # no visible key: zeros, not NaN
     return (probs @ vf).to(q.dtype).contiguous()
+
+
+def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention of queries at positions 0..T-1 over keys at 0..T-1 (this step's own K/V):
+    what position_attention computes when q_pos = 0..T-1 and the cache holds only these tokens.
+    On CPU the position_attention oracle's FP32 arithmetic (the reference's order of operations:
+    SDPA's CPU kernels round otherwise, which can flip a stored INT4 code in the CPU tests)."""
+    if q.device.type == "cpu":
+        positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
+        return position_attention_aten(q, k, v, positions, scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> None:

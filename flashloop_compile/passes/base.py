@@ -129,6 +129,12 @@ class FlashLoopPass:
     def enabled(self) -> bool:
         return getattr(self.config, self.group).enabled
 
+    @property
+    def required(self) -> bool:
+        """Whether the config asked for this rewrite: a graph that does not allow it is then an error;
+        otherwise (a best-effort default) the pass leaves such a graph alone."""
+        return True
+
     def applies_to(self, structure: LoopStructure, phase: Phase | None = None) -> bool:
         return graph_phase(structure, phase) in self.phases
 

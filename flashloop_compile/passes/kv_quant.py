@@ -6,7 +6,9 @@ At each attention site (loop d, layer i) with an in-place cache:
   at later depths, the BF16 tail ring) after the attention has read the cache;
 - dense attention (SDPA, or token-sparse loops' ``position_attention``) becomes
   ``flashloop.packed_attention``: the stored prefix read straight from the packed tiles, the
-  step's own tokens exactly (in flight);
+  step's own tokens exactly (in flight); a fresh prompt's dense loops, which the
+  position-attention pass made causal SDPA over the step's own K/V (no stored prefix: nothing
+  to read from the packed tiles), stay so;
 - loop 2's reference (which attends to every key) becomes ``flashloop.packed_reference_attention``
   over the whole history at its depth (the packed tiles, the step's tokens in flight); a
   correction at loops 3..R becomes ``flashloop.packed_correction_attention``, which reads only
@@ -34,6 +36,7 @@ import torch.fx as fx
 
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES
 from flashloop_compile.lowering.packed_sparse_ops import local_keys, selected_positions
+from flashloop_compile.lowering.prefill_ops import prompt_attention
 from flashloop_compile.passes.graph import op_name, runtime_buffer, shape_of
 from flashloop_compile.passes.base import FlashLoopPass
 from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, describe, require_inplace_cache
@@ -119,7 +122,11 @@ class KVResidualQuantizationPass(FlashLoopPass):
                     v_in = graph.call_function(scatter_tokens, (v_prev, sparse["index"], sparse["v"]))
             inflight[(d, i)] = (k_in, v_in)
             name = op_name(consumer)
-            if name in ("scaled_dot_product_attention", "flashloop.position_attention"):
+            if consumer.target is prompt_attention:
+                # a fresh prompt's dense loop: its keys are the step's own tokens, which the
+                # reference attends exactly (not quantized): causal SDPA over them stays
+                after = consumer
+            elif name in ("scaled_dot_product_attention", "flashloop.position_attention"):
                 with graph.inserting_before(consumer):
                     out = graph.call_function(
                         torch.ops.flashloop.packed_attention.default,

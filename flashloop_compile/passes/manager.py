@@ -22,7 +22,7 @@ from flashloop_compile.passes.base import FlashLoopPass, PassContext, Phase, Run
 from flashloop_compile.passes.graph import shape_of
 from flashloop_compile.passes.kv_quant import KVResidualQuantizationPass
 from flashloop_compile.passes.position_attention import PositionAttentionPass
-from flashloop_compile.passes.recognize import LoopStructure, recognize
+from flashloop_compile.passes.recognize import LoopStructure, RecognitionError, recognize
 from flashloop_compile.passes.sparse_decode import SparseDecodeAttentionPass
 from flashloop_compile.passes.token_sparse import TokenSparsePrefillPass
 
@@ -97,16 +97,20 @@ class PassManager:
         its layer boundaries (nodes of ``gm``: kept here, not in the report)."""
         outline = self.config.compilation.outline_layers
         self.cuts = []
-        if not self.config.any_enabled and not self.config.compilation.enabled:
+        if not any(p.enabled for p in self.passes) and not outline:
             return RewriteReport(None, None, None)
-        structure = recognize(gm)
+        required = self.config.any_enabled or self.config.compilation.enabled
+        try:
+            structure = recognize(gm)
+        except RecognitionError:
+            if required:
+                raise
+            return RewriteReport(None, None, None)  # only best-effort rewrites: a graph without the pattern is left alone
         q_shape = shape_of(structure.sites[0].q) if structure.sites else None
         head_dim = int(q_shape[-1]) if q_shape else None
         self.config.resolve(structure.num_loops, forward_loops=structure.num_loops, head_dim=head_dim)
         phase = graph_phase(structure, self.phase)
-        active = [p for p in self.passes if p.enabled and p.applies_to(structure, phase)]
-        for p in active:
-            p.check(structure)
+        active = [p for p in self.passes if p.enabled and p.applies_to(structure, phase) and _allows(p, structure)]
         report = RewriteReport(structure.num_loops, structure.num_layers, phase)
         context = PassContext(gm, example_inputs, self.runtime)
         for p in active:
@@ -139,9 +143,26 @@ class PassManager:
             if not p.applies_to(structure, phase):
                 lines.append(f"{p.name}: not applied to {phase} graphs")
                 continue
-            p.check(structure)
+            try:
+                p.check(structure)
+            except RecognitionError as e:
+                if p.required:
+                    raise
+                lines.append(f"{p.name}: not applied ({e})")
+                continue
             lines.extend(f"{p.name}: {line}" for line in p.plan(structure))
         return lines
+
+
+def _allows(p: FlashLoopPass, structure: LoopStructure) -> bool:
+    """Whether ``p`` can rewrite this graph; a required pass that cannot raises (naming the node)."""
+    try:
+        p.check(structure)
+    except RecognitionError:
+        if p.required:
+            raise
+        return False
+    return True
 
 
 def propagate_fake_values(gm: fx.GraphModule) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "AttentionSite",
     "LoopStructure",
     "recognize",
+    "fresh_prompt",
 ]
 
 
@@ -779,6 +780,70 @@ def _eager_chain(softmax: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node |
         if is_op(u, "matmul") and u.args[0] is out:
             return q, kt, u.args[1], mask, u
         return None
+
+
+# --- fresh prompts -------------------------------------------------------------------------------
+
+
+_KEEP_POSITIONS = {"expand", "contiguous", "clone", "to", "long", "int"}
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a == b))
+    except TypeError:
+        return False
+
+
+def _counts_from_zero(positions: Any, tokens: Any) -> bool:
+    """Whether ``positions`` ([B, T] or [T]) holds 0..T-1 in every row, T = ``tokens``: an arange
+    built in the graph (start 0, step 1), given a leading dimension and expanded over the batch."""
+    shape = shape_of(positions)
+    if not shape or not _same_size(shape[-1], tokens):
+        return False
+    n = positions
+    while isinstance(n, fx.Node) and n.op in ("call_function", "call_method"):
+        name = op_name(n).lstrip(".")
+        if name == "arange":
+            if len(n.args) == 1 and "end" not in n.kwargs:  # arange(end)
+                start, step = 0, n.kwargs.get("step", 1)
+            else:  # arange(start, end[, step])
+                start = n.args[0] if n.args else n.kwargs.get("start", 0)
+                step = n.args[2] if len(n.args) > 2 else n.kwargs.get("step", 1)
+            dt, length = dtype_of(n), shape_of(n)
+            # the length is T: with start 0 and step 1, the values are 0..T-1
+            return (start == 0 and step == 1 and dt is not None and not dt.is_floating_point and dt != torch.bool
+                    and length is not None and _same_size(length[0], tokens))
+        if name in _KEEP_POSITIONS:
+            n = n.args[0]
+        elif name == "unsqueeze" and arg(n, 1, "dim") == 0:
+            n = n.args[0]
+        elif name == "getitem" and _leading_none(n.args[1]):
+            n = n.args[0]
+        else:
+            return False
+    return False
+
+
+def _leading_none(index: Any) -> bool:
+    """x[None] or x[None, :] (a new leading dimension, the rest as it is)."""
+    if index is None:
+        return True
+    return isinstance(index, tuple) and index[:1] == (None,) and all(x == slice(None) or x is Ellipsis for x in index[1:])
+
+
+def fresh_prompt(structure: LoopStructure) -> bool:
+    """Whether this is the prefill of a fresh prompt: every site's cache is written at positions
+    0..T-1 that the graph builds itself (the model called without ``input_pos``), so each row's
+    keys at or before a query's position are this step's own tokens and no stored prefix exists.
+    A static property of the graph: no host sync, no runtime value read."""
+    return bool(structure.sites) and all(
+        s.cache is not None and s.cache.kind == "inplace" and s.cache.positions is not None
+        and _counts_from_zero(s.cache.positions, s.query_len) and s.mask_kind == "causal-position"
+        for s in structure.sites
+    )
 
 
 # --- entry point -----------------------------------------------------------------------------------

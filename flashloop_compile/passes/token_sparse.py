@@ -3,8 +3,8 @@
 In a prefill graph, before each loop r >= 3 whose retention is below 1:
 1. ``flashloop.select_active`` scores the tokens from the two preceding loop states and keeps a
    nested top-k per window (static size from the token count, no host sync);
-2. the loop state and every per-token input of the body (positions, and what the graph computes
-   from them: RoPE cos/sin) are gathered at the selected rows;
+2. the loop state and every per-token input of the body (positions, given or built in the graph,
+   and what the graph computes from them: RoPE cos/sin) are gathered at the selected rows;
 3. each layer's cache slot of loop r first inherits loop r-1's K/V at the forward's positions,
    then the re-emitted body writes K/V for the active rows only;
 4. loop r's body is re-emitted on the gathered rows (norms, QKV, MLP, the end-of-loop norm);
@@ -134,7 +134,9 @@ class TokenSparsePrefillPass(FlashLoopPass):
                 index = graph.call_function(operator.getitem, (sel, 0))
                 active = graph.call_function(operator.getitem, (sel, 1))
                 env: dict[fx.Node, fx.Node] = {h_prev: graph.call_function(gather_rows, (h_prev, index))}
-                for src in tensor_sources:
+                # positions built in the graph (a fresh prompt's arange) are gathered as they are:
+                # re-emitting their computation at the selection's size would renumber the rows
+                for src in tensor_sources + ([positions] if positions not in tensor_sources else []):
                     env[src] = graph.call_function(gather_rows, (src, index))
                 for src in sym_sources:
                     env[src] = k_out

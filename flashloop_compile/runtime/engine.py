@@ -6,7 +6,9 @@ under CUDA graphs captured per bucket key, sampling, per-request stop tokens, ti
     result.tokens, result.ttft_s, result.token_latency_s
 
 The engine allocates the caches once (static addresses), compiles the model with the flashloop
-backend (prefill with a dynamic token dimension, so prompt lengths do not recompile), writes the
+backend (prefill with a dynamic token dimension, so prompt lengths do not recompile; a prompt's
+first chunk is called without positions, a fresh prompt whose attention the backend runs as causal
+SDPA, and later chunks at their positions: a chunked prefill compiles these two graphs), writes the
 step plan (which rows are real, where prompts end) before every forward, and replays decode from
 CUDA graphs keyed by (phase, batch bucket, config hash; and k for a verify step). A batch larger
 than the last bucket runs the same compiled code without a graph and says so; it never falls back
@@ -283,14 +285,18 @@ class Engine(Generation):
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def _forward(self, ids: Tensor, pos: Tensor, seq_lens: list[int], last_pos: list[int] | None, dynamic: bool,
+    def _forward(self, ids: Tensor, pos: Tensor | None, seq_lens: list[int], last_pos: list[int] | None, dynamic: bool,
                  compiled=None) -> Tensor:
+        """One compiled forward; ``pos`` None: a fresh prompt at positions 0..T-1, which the model
+        builds in the graph (the backend then attends it with causal SDPA, passes/position_attention.py)."""
         self.state.plan.set(seq_lens, last_pos)
         if dynamic:
             torch._dynamo.mark_dynamic(ids, 1)
-            torch._dynamo.mark_dynamic(pos, 1)
+            if pos is not None:
+                torch._dynamo.mark_dynamic(pos, 1)
         with torch._dynamo.config.patch(**self._dynamo_config):
-            return (self.compiled if compiled is None else compiled)(ids, pos)
+            compiled = self.compiled if compiled is None else compiled
+            return compiled(ids) if pos is None else compiled(ids, pos)
 
     def prefill(self, prompts: list[Tensor]) -> Tensor:
         """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V]."""
@@ -311,7 +317,9 @@ class Engine(Generation):
             end = min(start + chunk, t)
             valid = [min(n, end) for n in lengths]
             last_pos = [n - 1 if start < n <= end else -1 for n in lengths]
-            logits = self._forward(ids[:, start:end].contiguous(), pos[:, start:end].contiguous(), valid, last_pos, dynamic=True)
+            # the first chunk is a fresh prompt (its own graph); later chunks attend a stored prefix
+            chunk_pos = None if start == 0 else pos[:, start:end].contiguous()
+            logits = self._forward(ids[:, start:end].contiguous(), chunk_pos, valid, last_pos, dynamic=True)
             for i, n in enumerate(lengths):
                 if start < n <= end:
                     last[i] = logits[i, n - 1 - start].float()

@@ -157,3 +157,23 @@ def test_module_registers_cuda_body():
     q_pos[0, :10] = -1
     out = torch.ops.flashloop.position_attention(q, k, v, q_pos, 0.1)
     _check(out, q, k, v, q_pos, 0.1)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("hq, hkv", [(16, 16), (8, 2)])
+def test_prompt_attention_matches_position_attention_from_zero(hq, hkv):
+    # a fresh prompt's causal SDPA over its own K/V equals the kernel at positions 0..T-1 over a
+    # cache whose first T positions hold them (the rest never visible)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, t, s, d = 2, 3000, 4096, 128
+    q = torch.randn(b, hq, t, d, device="cuda", generator=g).to(torch.bfloat16)
+    cache_k = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(torch.bfloat16)
+    cache_v = torch.randn(b, hkv, s, d, device="cuda", generator=g).to(torch.bfloat16)
+    scale = 1 / math.sqrt(d)
+    pos = torch.arange(t, device="cuda").expand(b, -1).contiguous()
+    got = prefill_ops.prompt_attention(q, cache_k[:, :, :t], cache_v[:, :, :t], scale)
+    want = position_attention(q, cache_k, cache_v, pos, scale)
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+    compiled = torch.compile(prefill_ops.prompt_attention, fullgraph=True)
+    torch.testing.assert_close(compiled(q, cache_k[:, :, :t], cache_v[:, :, :t], scale), want, **TOL[torch.bfloat16])

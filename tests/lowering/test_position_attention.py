@@ -239,4 +239,4 @@ def test_kernel_empty_shapes():
 
 def test_module_registers_the_op():
     assert hasattr(torch.ops.flashloop, "position_attention")
-    assert prefill_ops.__all__ == ["position_attention", "position_attention_aten"]
+    assert prefill_ops.__all__ == ["position_attention", "position_attention_aten", "prompt_attention"]

@@ -134,7 +134,7 @@ def test_prefill_all_on_counts():
     ids, pos = ragged_batch([40, 40])
     gm = capture_dynamic(model, ids, pos)
     report = pass_manager(FlashLoopConfig.all_on()).run(gm)
-    assert report.matched == {"TokenSparsePrefillPass": 2, "KVResidualQuantizationPass": 8}
+    assert report.matched == {"TokenSparsePrefillPass": 2, "PositionAttentionPass": 8, "KVResidualQuantizationPass": 8}
     assert _counts(gm) == {
         "flashloop.select_active": 2,
         "flashloop.packed_attention": 8,

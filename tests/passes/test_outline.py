@@ -80,7 +80,7 @@ def test_outlined_token_sparse_prefill_matches_eager_rewrite():
 
     expected, _ = run(options)
     got, report = run({**options, "compilation.outline_layers": True})
-    assert report.matched == {"TokenSparsePrefillPass": 2}
+    assert report.matched == {"TokenSparsePrefillPass": 2, "PositionAttentionPass": 8}
     assert sum(report.segments.values()) == 1 + 4 * 3 + 1
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -47,7 +47,7 @@ def test_op_counts_and_untouched_loops():
     counts_before = {}
     for n in gm.graph.nodes:
         counts_before[op_name(n)] = counts_before.get(op_name(n), 0) + 1
-    report = pass_manager(_config()).run(gm)
+    report = pass_manager(_config(**{"compilation.position_attention": False})).run(gm)  # this pass alone
     assert report.matched == {"TokenSparsePrefillPass": 2}
     names = [op_name(n) for n in gm.graph.nodes]
     assert names.count("flashloop.select_active") == 2
@@ -67,7 +67,8 @@ def test_retention_one_skips_selection_entirely():
     model.setup_caches(2, 64)
     ids, pos = ragged_batch([9, 9])
     gm = capture_dynamic(model, ids, pos)
-    report = pass_manager(_config(**{"token_sparse_prefill.retention": [1, 1, 1, 1]})).run(gm)
+    report = pass_manager(_config(**{"token_sparse_prefill.retention": [1, 1, 1, 1],
+                                     "compilation.position_attention": False})).run(gm)
     assert report.matched == {"TokenSparsePrefillPass": 0}
     assert "flashloop.select_active" not in [op_name(n) for n in gm.graph.nodes]
 
@@ -90,7 +91,9 @@ def test_graph_diff():
     ids, pos = ragged_batch([6])
     gm = capture_dynamic(model, ids, pos)
     snap = GraphSnapshot(gm)
-    pass_manager(_config(**{"token_sparse_prefill.retention": [1, 1, 0.5], "token_sparse_prefill.window": 4})).run(gm)
+    # the token-sparse rewrite alone (the prefill attention rewrite off)
+    pass_manager(_config(**{"token_sparse_prefill.retention": [1, 1, 0.5], "token_sparse_prefill.window": 4,
+                            "compilation.position_attention": False})).run(gm)
     assert_expected_inline(snap.diff(gm), """\
 -%0 = eq(%in2, %in2) : sym(True)
 -%1 = not_(%0) : bool
