@@ -26,9 +26,10 @@ def capture(model, *args, **kwargs) -> torch.fx.GraphModule:
     return graphs[0]
 
 
-def capture_dynamic(model, ids, pos) -> torch.fx.GraphModule:
+def capture_dynamic(model, ids, pos=None) -> torch.fx.GraphModule:
     """The Dynamo graph of a prefill ``model(ids, pos)`` with a dynamic token dimension (as the
-    engine traces it; token-sparse prefill needs it)."""
+    engine traces it; token-sparse prefill needs it); ``pos`` None: ``model(ids)``, a fresh
+    prompt whose positions the graph builds (as the engine calls a prompt's first chunk)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -37,9 +38,10 @@ def capture_dynamic(model, ids, pos) -> torch.fx.GraphModule:
 
     torch._dynamo.reset()
     torch._dynamo.mark_dynamic(ids, 1)
-    torch._dynamo.mark_dynamic(pos, 1)
+    if pos is not None:
+        torch._dynamo.mark_dynamic(pos, 1)
     with torch.no_grad():
-        torch.compile(model, backend=backend)(ids, pos)
+        torch.compile(model, backend=backend)(*((ids,) if pos is None else (ids, pos)))
     torch._dynamo.reset()
     return graphs[0]
 

@@ -28,23 +28,6 @@ def _counts(gm) -> dict[str, int]:
                                         "flashloop.packed_attention", "prompt_attention")}
 
 
-def _capture_fresh(model, ids):
-    """The prefill graph of a fresh prompt: the model called without input_pos (as the engine
-    calls a prompt's first chunk), the token dimension dynamic."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch._dynamo.mark_dynamic(ids, 1)
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(ids)
-    torch._dynamo.reset()
-    return graphs[0]
-
-
 def _causal_sdpa_calls(gm) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is prompt_attention)
 
@@ -163,7 +146,7 @@ def test_a_fresh_prompt_attends_its_dense_loops_with_causal_sdpa(switches, want)
     model = tiny(total_ut_steps=4, num_hidden_layers=2)
     model.setup_caches(2, 64)
     ids, _ = ragged_batch([9, 9])
-    gm = _capture_fresh(model, ids)
+    gm = capture_dynamic(model, ids)
     report = pass_manager(FlashLoopConfig.from_switches(*switches)).run(gm)
     assert report.matched["PositionAttentionPass"] == 8
     counts = _counts(gm)
