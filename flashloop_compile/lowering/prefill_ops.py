@@ -69,7 +69,7 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     if q.device.type == "cpu":
         positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
         return position_attention_aten(q, k, v, positions, scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))  # bool: SDPA refuses a SymBool
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> None:
