@@ -16,7 +16,7 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_attention.py
 PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop) and the packed
-write with other counts of flush programs per (batch, head) (packed_write.flush_programs). Self-check first: every attention variant against causal SDPA (2e-2).
+write with other counts of flush programs per (batch, head) (launch_packed_kv_write's ``chunks``). Self-check first: every attention variant against causal SDPA (2e-2).
 CUDA events, median of ``--repeats`` after warm-up. TFLOP/s count the causal work
 4 * D * H * T * (T + 1) / 2. JSON to $OUT (or ./out) as packed_prefill.json; a table last.
 Without CUDA: a smoke run on tiny shapes through the ops' ATen bodies (numbers meaningless).

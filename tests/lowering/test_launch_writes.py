@@ -63,7 +63,7 @@ def _written(kernel, kwargs) -> set[str]:
 
 
 _FLUSH = {"k_base", "k_base_min", "k_base_scale", "v_base", "v_base_min", "v_base_scale", "k_res", "k_res_min",
-          "k_res_scale", "v_res", "v_res_min", "v_res_scale", "rows", "overflow", "scratch"}
+          "k_res_scale", "v_res", "v_res_min", "v_res_scale", "rows", "overflow", "counts", "scratch"}
 # what each launch may store to: its outputs and the cache tensors it owns, never its inputs
 WRITES = {
     "_write_flush_kernel": _FLUSH,

@@ -1,11 +1,12 @@
 """Triton kernels of ``flashloop::packed_kv_write`` (conventions in packed_codec.py).
 
 - ``_write_flush_kernel`` [B, H, ranges]: quantize the whole G-token blocks a write moves out of
-  the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1);
-  values of earlier calls come from the ring, values of this call from k/v (at p - first when the
-  call's positions are consecutive, else found by binary search). At depth > 0 each range of
-  blocks first counts the residual rows allocated before it. Writes the position -> row map
-  (h == 0) and the new counters to a scratch.
+  the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1;
+  two compilations); values of earlier calls come from the ring, values of this call from k/v (at
+  p - first when the call's positions are consecutive, else found by binary search), whole rows
+  loaded contiguously. At depth > 0 a first launch of the same kernel (COUNT) stores each group's
+  count of residual rows, and each range starts at the sum of the counts before it. Writes the
+  position -> row map (h == 0) and the new counters to a scratch.
 - ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
   ring; depth_count and the counters are committed (separate launch: the flush must read the ring
   before it is overwritten).
@@ -21,7 +22,7 @@ from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
 from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _codes, _geometry, _params, _reconstruct
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
-__all__ = ["launch_packed_kv_write", "PACKED_WRITE"]
+__all__ = ["launch_packed_kv_write"]
 
 
 @triton.jit(do_not_specialize=["depth_arg"])
@@ -29,13 +30,23 @@ def _write_flush_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
-    k, v, positions, skey, contig, scratch,
+    k, v, positions, skey, contig, counts, scratch,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
-    NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, CB: tl.constexpr,
-    RP: tl.constexpr = 4, ONE_TOKEN: tl.constexpr = False,
+    NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, NBP: tl.constexpr,
+    BASE: tl.constexpr, COUNT: tl.constexpr, RP: tl.constexpr = 1, ONE_TOKEN: tl.constexpr = False,
 ):
-    depth = depth_arg - _DEPTH_BIAS
+    """One program per (b, h, range of the row's groups to flush). BASE: depth 0 (a separate
+    compilation: the residual path's reconstruction is not in the base kernel's registers). RP:
+    the depth at depth > 0, so that the predecessor's reconstruction unrolls exactly its residuals
+    1..depth-1 (one compilation per depth; the residual kernel with every level unrolled and
+    masked held 255 registers and ran 2.37 ms at 1x32K depth 1, see docs/DESIGN.md).
+    COUNT: grid (B, 1, NCH), store each group's count of residual rows in counts[b, group] and
+    nothing else (the flush's ranges at depth > 0 start at the sum of the counts before them)."""
+    if BASE:
+        depth = 0
+    else:
+        depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     HG: tl.constexpr = G // 2
@@ -44,7 +55,7 @@ def _write_flush_kernel(
     h = tl.program_id(1).to(tl.int64)
     bh = b * H + h
     F = tl.load(flushed + b * R + depth)
-    if depth == 0:
+    if BASE:
         # length of the row = max position + 1 of this call: the last of the running maxima skey,
         # one load per program (not a pass over the call's positions in each of them)
         if ONE_TOKEN:
@@ -75,32 +86,15 @@ def _write_flush_kernel(
     s_end = F + ((c + 1) * n_groups) // NCH * G
     # Residual rows are allocated in position order: a range starts at the count of the rows the
     # groups before it allocate. At depth 0 every position of a group is stored (row index =
-    # position); at depth > 0 the positions before the range are counted CB at a time. Written
-    # out here, not in a helper: torch's wrap_triton analysis takes a store whose address depends
-    # on a call's result as a store through every pointer the call was given.
-    if depth == 0:
+    # position); at depth > 0 the COUNT launch stored each group's count.
+    if BASE:
         row += g_start - F
-    elif not ONE_TOKEN:  # one token: a single range (the launcher's NCH = 1), nothing before it
-        q = F
-        while q < g_start:
-            pq = q.to(tl.int64) + tl.arange(0, CB).to(tl.int64)
-            pm = pq < g_start
-            if consecutive:
-                loq = pq - first
-            else:
-                loq = tl.zeros([CB], tl.int64)
-                hiq = tl.zeros([CB], tl.int64) + Tn
-                for _ in tl.static_range(NSEARCH):
-                    open_ = loq < hiq
-                    mid = (loq + hiq) // 2
-                    kv = tl.load(skey + b * Tn + mid, mask=pm & open_ & (mid < Tn), other=0)
-                    loq = tl.where(open_ & (kv < pq), mid + 1, loq)
-                    hiq = tl.where(open_ & (kv >= pq), mid, hiq)
-            inq = pm & (loq >= 0) & (loq < Tn)
-            cpq = tl.load(positions + b * sp_b + tl.where(inq, loq, 0) * sp_t, mask=inq, other=-1)
-            dcq = tl.load(depth_count + b * S + pq, mask=pm, other=0).to(tl.int32)
-            row += tl.sum((pm & ((inq & (cpq == pq)) | (dcq > depth))).to(tl.int32), 0)
-            q += CB
+    elif not COUNT:
+        if not ONE_TOKEN:  # one token: a single range (the launcher's NCH = 1), nothing before it
+            j = tl.arange(0, NBP)
+            row += tl.sum(tl.load(counts + b * NBP + j, mask=(j >= F // G) & (j < g_start // G), other=0), 0)
+    # Written out here, not in a helper: torch's wrap_triton analysis takes a store whose address
+    # depends on a call's result as a store through every pointer the call was given.
     s = g_start
     while s < s_end:
         # the G positions p of the group at s: each one's index in this call's positions (idx,
@@ -125,36 +119,37 @@ def _write_flush_kernel(
         idx = tl.where(inb, lo, 0)
         cp = tl.load(positions + b * sp_b + idx * sp_t, mask=inb, other=-1)
         in_call = inb & (cp == p)
-        if depth == 0:
+        if BASE:
             act = p >= 0
         else:
             dcv = tl.load(depth_count + b * S + p).to(tl.int32)
             act = in_call | (dcv > depth)
         n_act = tl.sum(act.to(tl.int32), 0)
-        if n_act > 0:
+        blk = s // G
+        if COUNT:
+            tl.store(counts + b * NBP + blk, n_act)
+        elif n_act > 0:
             local = row + tl.cumsum(act.to(tl.int32), 0) - 1
             fits = act & (local < cap)
-            if depth > 0:
+            if not BASE:
                 tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
                 tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
             grow = tl.where(fits, off + local, 0).to(tl.int64)
-            blk = s // G
+            mc = (in_call & act)[:, None]
+            mr = ((in_call == 0) & act)[:, None]
+            am = act[:, None]
             for g in tl.static_range(NG):
+                # channels g*G .. g*G + G - 1 of the block's rows: whole rows of k/v (or the ring)
+                # loaded contiguously, parameters over the natural [rows, channels] tile, the codes
+                # split into even/odd channel pairs only to pack them
+                ch = g * G + tl.arange(0, G)
                 i = g * HG + tl.arange(0, HG)
-                mc = (in_call & act)[:, None]
-                mr = ((in_call == 0) & act)[:, None]
-                kc = (b * sk_b + h * sk_h + idx * sk_t)[:, None] + (2 * i)[None, :] * sk_d
-                vc = (b * sv_b + h * sv_h + idx * sv_t)[:, None] + (2 * i)[None, :] * sv_d
-                tp = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D + 2 * i[None, :]
-                xke = tl.where(mc, tl.load(k + kc, mask=mc, other=0.0).to(tl.float32),
-                               tl.load(k_tail + tp, mask=mr, other=0.0).to(tl.float32))
-                xko = tl.where(mc, tl.load(k + kc + sk_d, mask=mc, other=0.0).to(tl.float32),
-                               tl.load(k_tail + tp + 1, mask=mr, other=0.0).to(tl.float32))
-                xve = tl.where(mc, tl.load(v + vc, mask=mc, other=0.0).to(tl.float32),
-                               tl.load(v_tail + tp, mask=mr, other=0.0).to(tl.float32))
-                xvo = tl.where(mc, tl.load(v + vc + sv_d, mask=mc, other=0.0).to(tl.float32),
-                               tl.load(v_tail + tp + 1, mask=mr, other=0.0).to(tl.float32))
-                if depth > 0:
+                tp = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D + ch[None, :]
+                xk = tl.where(mc, tl.load(k + (b * sk_b + h * sk_h + idx * sk_t)[:, None] + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
+                              tl.load(k_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                xv = tl.where(mc, tl.load(v + (b * sv_b + h * sv_h + idx * sv_t)[:, None] + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
+                              tl.load(v_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                if not BASE:
                     rke, rko, rve, rvo, _ok = _reconstruct(
                         p, act, b, h, depth - 1,
                         k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
@@ -162,26 +157,20 @@ def _write_flush_kernel(
                         k_tail, v_tail, flushed, rows, depth_count, res_layout,
                         B, H, S, NB, CAPT, R, D, G, g * HG, HG, True, RP,
                     )
-                    xke = xke - rke
-                    xko = xko - rko
-                    xve = xve - rve
-                    xvo = xvo - rvo
-                am = act[:, None]
+                    xk = xk - tl.reshape(tl.join(rke, rko), [G, G])
+                    xv = xv - tl.reshape(tl.join(rve, rvo), [G, G])
                 # K: one group per channel over the block's (active) rows
-                mne, sce = _params(tl.min(tl.where(am, xke, float("inf")), 0), tl.max(tl.where(am, xke, float("-inf")), 0))
-                mno, sco = _params(tl.min(tl.where(am, xko, float("inf")), 0), tl.max(tl.where(am, xko, float("-inf")), 0))
-                kbyte = (_codes(xke, mne[None, :], sce[None, :]) | (_codes(xko, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
+                kmn, ksc = _params(tl.min(tl.where(am, xk, float("inf")), 0), tl.max(tl.where(am, xk, float("-inf")), 0))
+                ke, ko = tl.split(tl.reshape(_codes(xk, kmn[None, :], ksc[None, :]), [G, HG, 2]))
+                kbyte = (ke | (ko << 4)).to(tl.uint8)
                 # V: one group per row over these G channels
-                vlo = tl.minimum(tl.min(xve, 1), tl.min(xvo, 1))
-                vhi = tl.maximum(tl.max(xve, 1), tl.max(xvo, 1))
-                vmn, vsc = _params(vlo, vhi)
-                vbyte = (_codes(xve, vmn[:, None], vsc[:, None]) | (_codes(xvo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
-                if depth == 0:
-                    kpp = (bh * NB + blk) * D + 2 * i
-                    tl.store(k_base_min + kpp, mne)
-                    tl.store(k_base_scale + kpp, sce)
-                    tl.store(k_base_min + kpp + 1, mno)
-                    tl.store(k_base_scale + kpp + 1, sco)
+                vmn, vsc = _params(tl.min(xv, 1), tl.max(xv, 1))
+                ve, vo = tl.split(tl.reshape(_codes(xv, vmn[:, None], vsc[:, None]), [G, HG, 2]))
+                vbyte = (ve | (vo << 4)).to(tl.uint8)
+                if BASE:
+                    kpp = (bh * NB + blk) * D + ch
+                    tl.store(k_base_min + kpp, kmn)
+                    tl.store(k_base_scale + kpp, ksc)
                     cpos = (bh * S + p)[:, None] * HD + i[None, :]
                     tl.store(k_base + cpos, kbyte)
                     tl.store(v_base + cpos, vbyte)
@@ -189,11 +178,9 @@ def _write_flush_kernel(
                     tl.store(v_base_min + vpp, vmn)
                     tl.store(v_base_scale + vpp, vsc)
                 else:
-                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
-                    tl.store(k_res_min + kpp, mne)
-                    tl.store(k_res_scale + kpp, sce)
-                    tl.store(k_res_min + kpp + 1, mno)
-                    tl.store(k_res_scale + kpp + 1, sco)
+                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + ch
+                    tl.store(k_res_min + kpp, kmn)
+                    tl.store(k_res_scale + kpp, ksc)
                     fm = fits[:, None]
                     cpos = (bh * CAPT + grow)[:, None] * HD + i[None, :]
                     tl.store(k_res + cpos, kbyte, mask=fm)
@@ -203,9 +190,10 @@ def _write_flush_kernel(
                     tl.store(v_res_scale + vpp, vsc, mask=fits)
         row += n_act
         s += G
-    if (h == 0) & (c == NCH - 1):  # the last range's count is the row's total
-        tl.store(scratch + b * 2, T_new)
-        tl.store(scratch + b * 2 + 1, row)
+    if not COUNT:
+        if (h == 0) & (c == NCH - 1):  # the last range's count is the row's total
+            tl.store(scratch + b * 2, T_new)
+            tl.store(scratch + b * 2 + 1, row)
 
 
 @triton.jit(do_not_specialize=["depth_arg"])
@@ -247,22 +235,13 @@ def _write_tail_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-# Flush programs per (batch, head), each a contiguous range of groups_per_program of the row's
-# groups: a write of T tokens flushes fewer than T / G + 1 groups (the ring keeps under 2G
-# unflushed positions). At depth > 0 a range first counts the residual rows the groups before it
-# allocate, 256 positions per step.
-PACKED_WRITE = {"groups_per_program": 2}
-
-
-def flush_programs(tn, g: int):
-    """Flush programs per (batch, head) for a write of ``tn`` tokens (an int or a SymInt)."""
-    gpp = PACKED_WRITE["groups_per_program"]
-    return (tn + g * (gpp + 1) - 1) // (g * gpp)
-
-
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
     """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
-    ``chunks``: flush programs per (batch, head) (default flush_programs; one token: always 1)."""
+
+    Flush programs per (batch, head): one per group a write of T tokens can move out of the tail
+    window (fewer than T / G + 1 at depth 0, which the later depths follow; the ring keeps under
+    2G unflushed positions), each a contiguous range of the groups; one for a decode token.
+    ``chunks`` overrides that count (tests: ranges of several groups)."""
     c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, _, Tn, _ = k.shape
@@ -284,17 +263,23 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     # binary-search steps over the call's positions; a symbolic token count (a dynamic prefill
     # traced by Inductor) must not be specialized: bound it by the static context instead
     nsearch = max(1, (Tn if isinstance(Tn, int) else S).bit_length())
-    chunks = 1 if one_token else flush_programs(Tn, G) if chunks is None else max(1, int(chunks))
-    wrap(_write_flush_kernel)[(Bc, H, chunks)](
+    chunks = 1 if one_token else (Tn + G - 1) // G + 1 if chunks is None else max(1, int(chunks))
+    nbp = next_pow2(NB)
+    base = depth == 0
+    counted = not base and not one_token  # ranges after the first need the rows allocated before them
+    counts = torch.empty(Bc, nbp if counted else 1, dtype=torch.int32, device=dev)
+    args = (
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.rows, c.depth_count, c.res_layout, c.overflow,
-        k, v, positions, skey, contig, scratch,
+        k, v, positions, skey, contig, counts, scratch,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        NCH=chunks, D=D, G=G, NSEARCH=nsearch, CB=256, RP=next_pow2(R), ONE_TOKEN=one_token,
-        num_warps=8,
     )
+    meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, RP=max(1, depth), ONE_TOKEN=one_token)
+    if counted:
+        wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, **meta, num_warps=2)
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, **meta, num_warps=8)
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
