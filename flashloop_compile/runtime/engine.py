@@ -22,7 +22,9 @@ A host engine that schedules requests itself drives the steps: ``prefill`` (rows
 ``snapshot(row, position)`` and ``restore(snapshot, row)`` to move one request's cache to another
 row, engine or process (runtime/snapshot.py), ``verify`` (k = 2..8 tokens per row, causal among
 themselves: speculative verification; CUDA graphs keyed by (batch bucket, k)) and ``accept(row, n)``
-to keep the first n of them (runtime/verify.py: the cache becomes that of a step of n tokens).
+to keep the first n of them (runtime/verify.py: the cache becomes that of a step of n tokens), and
+``reuse_prefix(src_row, dst_row, length)`` with ``prefill(prompts, cached=...)`` to start a request
+from the cache of a prompt prefix another row holds (prefix reuse: only the rest is prefilled).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from torch import Tensor
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, PackedGeometry
 from flashloop_compile.runtime.packed_kv import PackedKVCache
-from flashloop_compile.runtime.snapshot import CacheGeometry, RowCaches, RowSnapshot, restore_row, snapshot_row
+from flashloop_compile.runtime.snapshot import (CacheGeometry, RowCaches, RowSnapshot, check_prefix, copy_prefix,
+                                                restore_row, snapshot_row)
 from flashloop_compile.runtime.state import state_for_model
 from flashloop_compile.runtime.verify import MAX_VERIFY_TOKENS, MIN_VERIFY_TOKENS, StepUndo
 
@@ -208,6 +211,9 @@ class Engine(Generation):
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
         self._verify_compiled = None  # the multi-query decode graphs' (compiled on first use)
         self._pending: _PendingStep | None = None  # the last verify step, until the next forward
+        # tokens in each row's cache, as the forwards, restore and reuse_prefix left them (the host
+        # gives decode its positions: this is what prefix reuse checks a row against)
+        self._lengths = [0] * max_batch
         self._dynamo_config = dict(recompile_limit=64, fail_on_recompile_limit_hit=True)
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.capture_s = 0.0
@@ -279,9 +285,68 @@ class Engine(Generation):
         snap = restore_row(self.row_caches(), snapshot, row)
         if self._pending is not None:
             self._pending.open.discard(row)  # the restored request replaces the step's row
+        self._lengths[row] = snap.position
         if snap.logits is not None:
             snap.logits = snap.logits.to(self.device)
         return snap
+
+    def reuse_prefix(self, src_row: int, dst_row: int, length: int) -> int:
+        """Start row ``dst_row`` from the cache of row ``src_row``'s first tokens (prefix reuse) and
+        return n, how many: ``length`` (the tokens the two rows' prompts share) rounded down to
+        whole token_sparse_prefill windows where token-sparse prefill selects (a window's selection
+        needs all its tokens). The cache of those n tokens is copied on the device (no host round
+        trip of the bytes; the request in ``dst_row`` is replaced, every other row untouched); then
+        ``prefill(prompts, cached=...)`` with n for ``dst_row`` prefills only the rest of its prompt.
+        n = 0 (a prefix shorter than a window) copies nothing.
+
+        The copy holds what ``src_row``'s forwards wrote for those tokens (its prefill, and its
+        decode steps for tokens it generated), so ``dst_row`` continues as ``src_row``'s run cut at
+        n followed by a prefill of the rest as a chunk at position n. Without KV quantization that
+        equals prefilling the whole prompt (chunks on window boundaries are exact). With it, the
+        rest reads the prefix from the packed cache (its closed blocks quantized, its last tokens
+        exact from the tail ring), as the second chunk of a prompt prefilled in two does; so
+        ``src_row`` must not have flushed more blocks than a row of n tokens has (it holds the
+        prefix alone, or it is continued where it stands), else the prefix's last tokens are no
+        longer exact and it is an error. Errors leave every row unchanged: rows out of range or
+        equal, a row whose verify step awaits ``accept`` (busy), an empty source or ``length`` past
+        the tokens ``src_row`` holds, token-sparse selection without a window.
+        """
+        for name, row in (("src_row", src_row), ("dst_row", dst_row)):
+            if isinstance(row, bool) or not isinstance(row, numbers.Integral) or not 0 <= row < self.max_batch:
+                raise ValueError(f"reuse_prefix: {name}={row!r} is not a row of this engine (0..{self.max_batch - 1})")
+        if src_row == dst_row:
+            raise ValueError(f"reuse_prefix: src_row and dst_row are both {src_row}: a row already holds its own prefix "
+                             "(prefill the rest of its prompt with cached=)")
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 0:
+            raise ValueError(f"reuse_prefix: length must be the shared prefix's token count, an int >= 0, got {length!r}")
+        for what, row in (("source", src_row), ("destination", dst_row)):
+            if self._pending is not None and row in self._pending.open:
+                raise ValueError(f"reuse_prefix: the {what} row {row} is busy: its last verify step awaits accept({row}, n) "
+                                 "(its cache holds tokens that may still be rolled back); accept it first")
+        held = self._lengths[src_row]
+        if held == 0 and length > 0:
+            raise ValueError(f"reuse_prefix: row {src_row} is empty (no prefill, decode, restore or reuse_prefix has "
+                             "filled it): prefill the prefix there first")
+        if length > held:
+            raise ValueError(f"reuse_prefix: row {src_row} holds {held} tokens (as its last prefill, decode, verify, "
+                             f"restore or reuse_prefix left it), fewer than length={length}")
+        window = self._prefix_window("reuse_prefix")
+        n = int(length) // window * window
+        if n:
+            copy_prefix(self.row_caches(), int(src_row), int(dst_row), n)
+            self._lengths[dst_row] = n
+        return n
+
+    def _prefix_window(self, what: str) -> int:
+        """What a reused prefix's length is a multiple of: the selection window where token-sparse
+        prefill selects (a later chunk starts on a window boundary), else 1."""
+        tsp = self.config.token_sparse_prefill
+        if not tsp.selects:
+            return 1
+        if tsp.window is None:
+            raise ValueError(f"{what} needs token_sparse_prefill.window: global selection (window None) takes the whole "
+                             "prompt in one forward; set a window (e.g. 1024) to prefill after a prefix")
+        return tsp.window
 
     # -- forwards ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -298,35 +363,76 @@ class Engine(Generation):
             compiled = self.compiled if compiled is None else compiled
             return compiled(ids) if pos is None else compiled(ids, pos)
 
-    def prefill(self, prompts: list[Tensor]) -> Tensor:
-        """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V]."""
-        self._pending = None
+    def prefill(self, prompts: list[Tensor], *, cached: Sequence[int] | None = None) -> Tensor:
+        """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V].
+
+        ``cached[i]`` (default 0): the first tokens of prompt i that row i's cache already holds
+        (copied there by ``reuse_prefix``, restored, or left by the row's own forwards); only the
+        tokens from there on are prefilled, at their positions, reading the cached ones from the
+        cache. It must leave at least one token to prefill, not exceed what the row holds, and be
+        a multiple of token_sparse_prefill.window where token-sparse prefill selects. A row with
+        nothing cached starts from an empty packed slot.
+        """
         prompts = [_token_ids(p, i, self.model.config.vocab_size) for i, p in enumerate(prompts)]
         b = len(prompts)
         lengths = [len(p) for p in prompts]
-        t = max(lengths)
-        if t > self.max_seq:
-            raise ValueError(f"a prompt of {t} tokens exceeds max_seq={self.max_seq}")
+        if max(lengths) > self.max_seq:
+            raise ValueError(f"a prompt of {max(lengths)} tokens exceeds max_seq={self.max_seq}")
+        starts = self._cached_starts(cached, lengths)
+        t = max(n - c for n, c in zip(lengths, starts))
         ids = torch.zeros(b, t, dtype=torch.long, device=self.device)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = p.to(self.device)
-        pos = torch.arange(t, device=self.device)[None].expand(b, -1).contiguous()
+        for i, (p, c) in enumerate(zip(prompts, starts)):
+            ids[i, : len(p) - c] = p[c:].to(self.device)
+        # a row's padding (past its prompt) may run past the cache after a long prefix: it sits at
+        # max_seq - 1 there, where nothing is stored for padding and the dense cache's scratch slot is
+        pos = (torch.tensor(starts)[:, None] + torch.arange(t)).clamp_max(self.max_seq - 1).to(self.device)
+        full = [i for i, (n, c) in enumerate(zip(lengths, starts)) if n == self.max_seq and n - c < t]
+        if full:
+            raise ValueError(f"prompt {full[0]} fills max_seq={self.max_seq} and is padded after a shorter cached "
+                             "prefix than other rows': prefill it in a call of its own")
+        self._pending = None  # checked: the forwards end the last verify step's rollback window
+        if self.packed is not None and 0 in starts:
+            self.packed.reset(torch.tensor([i for i, c in enumerate(starts) if c == 0]))  # fresh prompts: empty slots
         chunk = self.prefill_chunk or t
         last = torch.empty(b, self.model.config.vocab_size, device=self.device)
         for start in range(0, t, chunk):
             end = min(start + chunk, t)
-            valid = [min(n, end) for n in lengths]
-            last_pos = [n - 1 if start < n <= end else -1 for n in lengths]
-            # the first chunk is a fresh prompt (its own graph); later chunks attend a stored prefix
-            chunk_pos = None if start == 0 else pos[:, start:end].contiguous()
+            valid = [min(n, c + end) for n, c in zip(lengths, starts)]
+            last_pos = [n - 1 if c + start < n <= c + end else -1 for n, c in zip(lengths, starts)]
+            # a fresh prompt's first chunk has its own graph; later chunks attend a stored prefix
+            chunk_pos = None if start == 0 and not any(starts) else pos[:, start:end].contiguous()
             logits = self._forward(ids[:, start:end].contiguous(), chunk_pos, valid, last_pos, dynamic=True)
-            for i, n in enumerate(lengths):
-                if start < n <= end:
-                    last[i] = logits[i, n - 1 - start].float()
+            for i, (n, c) in enumerate(zip(lengths, starts)):
+                if c + start < n <= c + end:
+                    last[i] = logits[i, n - 1 - c - start].float()
+        self._lengths[:b] = lengths
         return last
 
-    def _decode_eager(self, tok: Tensor, pos: Tensor) -> Tensor:
-        return self._forward(tok, pos, [int(p) + 1 for p in pos[:, 0].tolist()], None, dynamic=False)[:, -1]
+    def _cached_starts(self, cached: Sequence[int] | None, lengths: list[int]) -> list[int]:
+        """Each prompt's first position to prefill: ``cached`` checked against the rows (see prefill)."""
+        if cached is None:
+            return [0] * len(lengths)
+        cached = list(cached)
+        if len(cached) != len(lengths):
+            raise ValueError(f"cached has {len(cached)} entries for {len(lengths)} prompts: give one per prompt (0: none)")
+        for i, (c, n) in enumerate(zip(cached, lengths)):
+            if isinstance(c, bool) or not isinstance(c, numbers.Integral) or not 0 <= c < n:
+                raise ValueError(f"cached[{i}]={c!r} must be an int in 0..{n - 1}: the tokens of prompt {i} that row {i} "
+                                 "already holds (its last token is always prefilled: its logits start the generation)")
+            if c == 0:
+                continue
+            window = self._prefix_window("prefill with cached tokens")
+            if c % window:
+                raise ValueError(f"cached[{i}]={c} is not a multiple of token_sparse_prefill.window={window}: a chunk "
+                                 "after a prefix starts on a selection-window boundary (reuse_prefix returns such a length)")
+            if c > self._lengths[i]:
+                raise ValueError(f"cached[{i}]={c}: row {i} holds {self._lengths[i]} tokens (as its last prefill, decode, "
+                                 "verify, restore or reuse_prefix left it)")
+            check_prefix(self.row_caches(), i, int(c))
+        return [int(c) for c in cached]
+
+    def _decode_eager(self, tok: Tensor, pos: Tensor, ends: list[int]) -> Tensor:
+        return self._forward(tok, pos, ends, None, dynamic=False)[:, -1]
 
     def decode(self, tok: Tensor, pos: Tensor, *, graph: bool = True) -> Tensor:
         """One decode step for rows 0..B-1 (tokens [B], positions [B]); logits [B, V].
@@ -339,12 +445,14 @@ class Engine(Generation):
         """
         self._pending = None
         b = tok.shape[0]
+        ends = [int(p) + 1 for p in pos.tolist()]
+        self._lengths[:b] = ends
         use_graph = self.cuda_graphs and graph
         bucket = _bucket(b, self.buckets) if use_graph else None
         if bucket is None:
             if use_graph:
                 warnings.warn(f"decode batch {b} is outside the CUDA-graph buckets {self.buckets}: running without a graph")
-            return self._decode_eager(tok[:, None], pos[:, None])
+            return self._decode_eager(tok[:, None], pos[:, None], ends)
         key = ("decode", bucket, self.config.hash())
         if key not in self._graphs:
             self._graphs[key] = self._capture(bucket)
@@ -354,7 +462,7 @@ class Engine(Generation):
         static_tok[:b, 0] = tok
         static_pos[:b, 0] = pos
         # plan: real rows only; padded rows write position 0 of their (unused) slots
-        self.state.plan.set([int(p) + 1 for p in pos.tolist()] + [1] * (bucket - b))
+        self.state.plan.set(ends + [1] * (bucket - b))
         cuda_graph.replay()
         return static_out[:b]
 
@@ -418,6 +526,7 @@ class Engine(Generation):
             cuda_graph.replay()
             logits = static_out[:b]
         self._pending = _PendingStep(undo, starts, k, set(range(b)))
+        self._lengths[:b] = [p + k for p in starts]
         return logits
 
     def accept(self, row: int, n: int) -> int:
@@ -439,6 +548,7 @@ class Engine(Generation):
         if p.undo is not None:
             p.undo.roll_back(self.packed, int(row), int(n))
         p.open.discard(row)
+        self._lengths[row] = p.starts[row] + int(n)
         return p.starts[row] + int(n)
 
     def _verify_model(self):
@@ -540,6 +650,7 @@ class Engine(Generation):
                 bar.advance()
                 if self.packed is not None:
                     self.packed.reset()
+                self._lengths = [0] * self.max_batch
         finally:
             self._warming = False
         seconds = time.perf_counter() - t0
@@ -565,6 +676,7 @@ class Engine(Generation):
 
     def _start_wave(self) -> None:
         self._pending = None
+        self._lengths = [0] * self.max_batch
         if self.packed is not None:
             self.packed.reset()  # a wave's requests start with empty slots
 

@@ -14,6 +14,11 @@ between forwards: the step plan is written before each one. The host adds the re
 The descriptor (format version, FlashLoopConfig hash, geometry, dtype) travels in the safetensors
 header; :func:`restore_row` checks it, the row and every tensor's shape against the target before
 writing anything, so a mismatch leaves the target bit-unchanged.
+
+:func:`copy_prefix` moves a row's first tokens to another row of the same cache on the device (no
+host round trip): prefix reuse. A row cut at a position is the cache of a row of that many tokens
+when :func:`check_prefix` says so: always for dense K/V, and for the packed cache while the row has
+flushed only what a row of that length has (its tail ring still holds the rest exactly).
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from torch import Tensor
 
 from flashloop_compile.lowering.packed_layout import LAYER_TENSOR_NAMES, MODEL_TENSOR_NAMES, tensor_specs
 from flashloop_compile.runtime.packed_kv import PackedKVCache
+from flashloop_compile.runtime.verify import flushed_after
 
 __all__ = ["FORMAT_VERSION", "CacheGeometry", "SnapshotDescriptor", "RowSnapshot", "RowCaches", "SnapshotMismatchError",
-           "snapshot_row", "restore_row"]
+           "snapshot_row", "restore_row", "check_prefix", "copy_prefix"]
 
 FORMAT_VERSION = 1
 _METADATA_KEY = "flashloop_snapshot"
@@ -204,12 +210,24 @@ def _check_row(caches: RowCaches, row: int, error: type[ValueError] = ValueError
         )
 
 
+def _check_position(caches: RowCaches, position: int) -> None:
+    if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= caches.max_seq:
+        raise ValueError(f"position must be the row's token count in 1..max_seq={caches.max_seq}, got {position!r}")
+
+
+def _check_compact_rows(caches: RowCaches, row: int, compact: dict[str, list[int]], what: str) -> None:
+    for layer, used in compact.items():
+        for d, (n, cap) in enumerate(zip(used, caches.packed.residual_capacity), start=1):
+            if n > cap:
+                raise ValueError(f"row {row} overflowed its compact residual rows ({layer}, depth {d}: {n} needed, "
+                                 f"capacity {cap}); its cache is not exact and cannot be {what}")
+
+
 def snapshot_row(caches: RowCaches, row: int, position: int, logits: Tensor | None = None) -> RowSnapshot:
     """Copy row ``row``'s cache (its first ``position`` tokens) to the host, after the device
     finished every write queued so far (CUDA: the device is synchronized first)."""
     _check_row(caches, row)
-    if isinstance(position, bool) or not isinstance(position, int) or not 1 <= position <= caches.max_seq:
-        raise ValueError(f"position must be the row's token count in 1..max_seq={caches.max_seq}, got {position!r}")
+    _check_position(caches, position)
     if logits is not None and tuple(logits.shape) != (caches.geometry.vocab_size,):
         raise ValueError(f"logits must be the row's [vocab_size={caches.geometry.vocab_size}] logits, got shape "
                          f"{tuple(logits.shape)}")
@@ -217,11 +235,7 @@ def snapshot_row(caches: RowCaches, row: int, position: int, logits: Tensor | No
     compact = caches.compact_rows(row)
     if caches.packed is not None:
         p = caches.packed
-        for layer, used in compact.items():
-            for d, (n, cap) in enumerate(zip(used, p.residual_capacity), start=1):
-                if n > cap:
-                    raise ValueError(f"row {row} overflowed its compact residual rows ({layer}, depth {d}: {n} needed, "
-                                     f"capacity {cap}); its cache is not exact and cannot be snapshotted")
+        _check_compact_rows(caches, row, compact, "snapshotted")
         flushed = int(p.layers[0].flushed[row].max())
         if flushed > position:
             raise ValueError(f"position={position} is behind row {row}'s cache, which has {flushed} tokens flushed: give "
@@ -297,3 +311,48 @@ def restore_row(caches: RowCaches, snapshot: "RowSnapshot | bytes | str | os.Pat
     for name, view in views.items():
         view.copy_(snap.tensors[name])
     return snap
+
+
+def check_prefix(caches: RowCaches, row: int, position: int) -> None:
+    """Check that row ``row``'s first ``position`` tokens are, as they stand, the cache of a row of
+    ``position`` tokens, so that a forward at ``position`` may follow them (in this row, or in
+    another after :func:`copy_prefix`). Dense K/V: always (a position past a row's length is never
+    read before a forward writes it). Packed: the row has flushed exactly the whole blocks a row of
+    ``position`` tokens has (:func:`~flashloop_compile.runtime.verify.flushed_after`), at every layer
+    and depth, so its tail ring still holds the K/V of the positions from there to ``position``
+    exactly and no later block has been quantized. Reads the row's counters (a host sync)."""
+    _check_row(caches, row)
+    _check_position(caches, position)
+    p = caches.packed
+    if p is None:
+        return
+    want = flushed_after(position, p.group_size)
+    flushed = torch.stack([lay.flushed[row] for lay in p.layers])  # [layers, R]
+    if bool((flushed != want).any()):
+        got = int(flushed.max())
+        why = (f"the positions {want}..{min(got, position) - 1} of its prefix are quantized, which a row of {position} tokens keeps "
+               f"exact in its tail. A packed row's first {position} tokens stay reusable while it is shorter than "
+               f"{want + 2 * p.group_size} tokens: keep the prefix in a row of its own (prefill it "
+               "there alone, copy it from there)") if got > want else "it holds fewer tokens than that"
+        raise ValueError(f"row {row} has flushed {got} tokens into quantized blocks, a row of {position} tokens "
+                         f"{want}: {why}")
+    _check_compact_rows(caches, row, caches.compact_rows(row), "reused")
+
+
+def copy_prefix(caches: RowCaches, src: int, dst: int, position: int) -> None:
+    """Copy row ``src``'s first ``position`` tokens into row ``dst`` on the device (the request in
+    ``dst`` is replaced; every other row is untouched): dense K/V up to ``position``; packed,
+    payload and parameters up to it (tokens, blocks), the compact residual rows ``src`` uses, its
+    tail ring, counters and maps up to it, the maps past it reset. Checks first
+    (:func:`check_prefix`): on an error nothing is written. Queued on the current stream after the
+    writes before it, without a host round trip of the bytes."""
+    _check_row(caches, dst)
+    if dst == src:
+        raise ValueError(f"copy_prefix: the source and destination are both row {src}: a row already holds its own "
+                         "prefix (prefill the rest there with cached=)")
+    check_prefix(caches, src, position)
+    compact = caches.compact_rows(src)
+    if caches.packed is not None:
+        caches.packed.reset(torch.tensor([dst]))  # past the prefix, the maps read as a fresh slot
+    for (_, to), (_, frm) in zip(caches.row_views(dst, position, compact), caches.row_views(src, position, compact)):
+        to.copy_(frm)
