@@ -431,7 +431,11 @@ class Engine(Generation):
             check_prefix(self.row_caches(), i, int(c))
         return [int(c) for c in cached]
 
-    def _decode_eager(self, tok: Tensor, pos: Tensor, ends: list[int]) -> Tensor:
+    def _decode_eager(self, tok: Tensor, pos: Tensor, ends: list[int] | None = None) -> Tensor:
+        """Decode tokens [B, 1] at positions [B, 1] without a CUDA graph; ``ends``: each row's length
+        after the step (pos + 1 when not given: the exporter traces the step this way)."""
+        if ends is None:
+            ends = [int(p) + 1 for p in pos[:, 0].tolist()]
         return self._forward(tok, pos, ends, None, dynamic=False)[:, -1]
 
     def decode(self, tok: Tensor, pos: Tensor, *, graph: bool = True) -> Tensor:
