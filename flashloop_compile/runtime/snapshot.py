@@ -334,8 +334,8 @@ def check_prefix(caches: RowCaches, row: int, position: int) -> None:
                f"exact in its tail. A packed row's first {position} tokens stay reusable while it is shorter than "
                f"{want + 2 * p.group_size} tokens: keep the prefix in a row of its own (prefill it "
                "there alone, copy it from there)") if got > want else "it holds fewer tokens than that"
-        raise ValueError(f"row {row} has flushed {got} tokens into quantized blocks, a row of {position} tokens "
-                         f"{want}: {why}")
+        raise ValueError(f"row {row} has flushed {got} tokens into quantized blocks where a row of {position} tokens "
+                         f"has flushed {want}: {why}")
     _check_compact_rows(caches, row, caches.compact_rows(row), "reused")
 
 

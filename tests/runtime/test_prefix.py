@@ -26,6 +26,7 @@ from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
 from passes.conftest import tiny
+from runtime.test_snapshot import _greedy
 
 # (token-sparse prefill, sparse decode, KV quantization): the combinations that change what a prefix
 # holds or how the rest reads it; sparse decode alone only changes decode steps (test_snapshot.py
@@ -66,19 +67,6 @@ def _config(switches, **overrides) -> FlashLoopConfig:
 def _engine(model, config, max_batch=3, **kw) -> Engine:
     torch._dynamo.reset()
     return Engine(model, config, max_batch=max_batch, max_seq=MAX_SEQ, backend=make_backend(config, inner="eager"), **kw)
-
-
-def _greedy(engine: Engine, logits: torch.Tensor, pos: torch.Tensor, steps: int):
-    """``steps`` greedy tokens [steps, B] from ``logits`` on, and the logits [steps, B, V] of each
-    decode step after them."""
-    tokens, out = [], []
-    for _ in range(steps):
-        tok = logits.argmax(-1)
-        logits = engine.decode(tok, pos).clone()
-        pos = pos + 1
-        tokens.append(tok)
-        out.append(logits)
-    return torch.stack(tokens), torch.stack(out)
 
 
 def _reference(model, config, prompt: torch.Tensor, cached: int, steps: int) -> list[int]:
@@ -160,7 +148,7 @@ def test_a_prompt_after_a_reused_prefix_equals_prefilling_the_prefix_then_the_re
     if quantize:
         # row 1 holds 88 + 2 tokens and has flushed 64: a prefix of 40 is no longer exact in its tail
         row2 = _row(engine, 2)
-        with pytest.raises(ValueError, match=rf"row 1 has flushed 64 tokens .* a row of {n} tokens 16: the positions "
+        with pytest.raises(ValueError, match=rf"row 1 has flushed 64 tokens .* a row of {n} tokens has flushed 16: the positions "
                                              rf"16\.\.{n - 1} of its prefix are quantized"):
             engine.reuse_prefix(1, 2, 40)
         assert _same(_row(engine, 2), row2)
