@@ -8,7 +8,8 @@ keeps). Reuse copies that prefix's cache (rounded down to whole selection window
 token-sparse prefill selects) into row 0 on the device and prefills the rest at its positions;
 TTFT is the copy plus that prefill, against the whole prompt's prefill in row 0 (one forward from
 position 0), in the same run. Token-sparse prefill needs selection windows to start after a
-prefix: both paths run with ``token_sparse_prefill.window = --window``. Each path runs
+prefix: both paths run with ``token_sparse_prefill.window = --window`` (and outlined layers, which
+compile in seconds). Each path runs
 ``--warmup`` times first (the first run compiles its graph), then ``--repeat`` times timed with
 CUDA events (a host timer on CPU); the record holds the medians. Checked before timing: reuse
 gives the logits of the engine prefilling the prefix in row 0 and then the rest in place. One JSON
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -47,7 +49,10 @@ NEW_TOKENS = 64
 def measure(preset: str, dtype: torch.dtype, name: str, context: int, shared: float = 0.9, window: int = 1024,
             warmup: int = 1, repeat: int = 5, inner: str = "inductor") -> dict:
     torch._dynamo.reset()
-    config = FlashLoopConfig.from_switches(*CONFIGS[name], **{"token_sparse_prefill.window": window})
+    # outlined layers: each distinct layer compiles once (seconds, not minutes, for the three prefill
+    # graphs at 24 layers); both paths run the same graphs' code
+    config = FlashLoopConfig.from_switches(*CONFIGS[name], **{"token_sparse_prefill.window": window,
+                                                             "compilation.outline_layers": True})
     model = OuroForCausalLM.from_preset(preset, dtype=dtype, device=device()).eval()
     engine = Engine(model, config, max_batch=2, max_seq=context + NEW_TOKENS, max_new_tokens=NEW_TOKENS,
                     backend=make_backend(config, inner=inner))
@@ -56,7 +61,9 @@ def measure(preset: str, dtype: torch.dtype, name: str, context: int, shared: fl
 
     # what reuse_prefix keeps of the shared tokens: whole windows where token-sparse prefill selects
     n = length // window * window if config.token_sparse_prefill.selects else length
+    t0 = time.perf_counter()
     engine.prefill([prompt[:n]])  # the prefix alone in row 0 ...
+    print(f"{name}: prefix of {n} tokens prefilled (compiled) in {time.perf_counter() - t0:.0f} s", flush=True)
     assert engine.reuse_prefix(0, 1, n) == n  # ... kept in row 1
     in_place = engine.prefill([prompt], cached=[n]).clone()  # the prefix, then the rest in row 0 itself
     assert engine.reuse_prefix(1, 0, n) == n
@@ -77,6 +84,7 @@ def measure(preset: str, dtype: torch.dtype, name: str, context: int, shared: fl
     def rest():
         engine.prefill([prompt], cached=[n])
 
+    print(f"{name}: checked reuse against the in-place run at {time.perf_counter() - t0:.0f} s", flush=True)
     med = statistics.median
     full_ms = med(cuda_times(full, warmup, repeat))
     ttft_ms = med(cuda_times(ttft, warmup, repeat))
