@@ -27,6 +27,7 @@ CPU smoke run (a minute or two):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -35,11 +36,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_times, device, record  # noqa: E402
+from common import cuda_times, device, kernel_profile, print_profile, record  # noqa: E402
 
 from flashloop_compile.backend import make_backend  # noqa: E402
 from flashloop_compile.config import FlashLoopConfig  # noqa: E402
-from flashloop_compile.models.ouro import OuroForCausalLM  # noqa: E402
+from flashloop_compile.models.ouro import PRESETS, OuroForCausalLM  # noqa: E402
 from flashloop_compile.runtime.engine import Engine  # noqa: E402
 
 CONFIGS = {"dense": (False, False, False), "all_on": (True, True, True)}  # FlashLoopConfig.from_switches
@@ -47,13 +48,20 @@ NEW_TOKENS = 64
 
 
 def measure(preset: str, dtype: torch.dtype, name: str, context: int, shared: float = 0.9, window: int = 1024,
-            warmup: int = 1, repeat: int = 5, inner: str = "inductor") -> dict:
+            warmup: int = 1, repeat: int = 5, inner: str = "inductor", layers: int | None = None,
+            profile: int = 0) -> dict:
     torch._dynamo.reset()
     # outlined layers: each distinct layer compiles once (seconds, not minutes, for the three prefill
     # graphs at 24 layers); both paths run the same graphs' code
     config = FlashLoopConfig.from_switches(*CONFIGS[name], **{"token_sparse_prefill.window": window,
                                                              "compilation.outline_layers": True})
-    model = OuroForCausalLM.from_preset(preset, dtype=dtype, device=device()).eval()
+    if layers is None:
+        model = OuroForCausalLM.from_preset(preset, dtype=dtype, device=device()).eval()
+    else:
+        torch.manual_seed(0)
+        with torch.device(device()):
+            model = OuroForCausalLM(dataclasses.replace(PRESETS[preset], num_hidden_layers=layers))
+        model = model.init_random_().to(dtype=dtype).eval()
     engine = Engine(model, config, max_batch=2, max_seq=context + NEW_TOKENS, max_new_tokens=NEW_TOKENS,
                     backend=make_backend(config, inner=inner))
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
@@ -90,9 +98,14 @@ def measure(preset: str, dtype: torch.dtype, name: str, context: int, shared: fl
     ttft_ms = med(cuda_times(ttft, warmup, repeat))
     copy_ms = med(cuda_times(copy, warmup, repeat))
     rest_ms = med(cuda_times(rest, warmup, repeat, before=copy))  # each rest after a fresh copy, untimed
+    profiles = {}
+    if profile:  # device time per kernel family of each path (the reused path with its copy)
+        profiles = {"full_profile": kernel_profile(full, full, profile, full_ms),
+                    "ttft_profile": kernel_profile(ttft, ttft, profile, ttft_ms)}
     return {
+        **profiles,
         "bench": "prefix", "preset": preset, "dtype": str(dtype), "config": name, "window": window,
-        "context": context, "shared": length, "reused": n, "prefilled": context - n,
+        "layers": model.config.num_hidden_layers, "context": context, "shared": length, "reused": n, "prefilled": context - n,
         "full_ms": full_ms, "ttft_ms": ttft_ms, "copy_ms": copy_ms, "rest_ms": rest_ms,
         "speedup": full_ms / ttft_ms, "warmup": warmup, "repeat": repeat, "timer": "cuda_events"
         if torch.cuda.is_available() else "host",
@@ -110,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--inner", default="inductor", choices=["inductor", "eager"],
                     help="what compiles the rewritten graphs (eager: a quick CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (a quicker compile)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, N more runs of each path under the profiler: device time per kernel family")
     ap.add_argument("--configs", default="all_on,dense", help=f"comma-separated, of {sorted(CONFIGS)}")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.configs.split(",")) - set(CONFIGS))
@@ -126,11 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     for name in args.configs.split(","):
         rec = measure(args.preset, getattr(torch, args.dtype), name, args.context, args.shared, args.window,
-                      args.warmup, args.repeat, args.inner)
+                      args.warmup, args.repeat, args.inner, args.layers, args.profile)
         record("prefix", rec)
         print(f"{name:7s} {args.context} tokens, {rec['reused']} cached: TTFT {rec['ttft_ms']:.1f} ms (copy "
               f"{rec['copy_ms']:.1f}, rest {rec['rest_ms']:.1f}) against {rec['full_ms']:.1f} ms whole: "
               f"{rec['speedup']:.2f}x", flush=True)
+        for path in ("full", "ttft"):
+            if f"{path}_profile" in rec:
+                print_profile(name, f"{path} {args.context}", rec[f"{path}_profile"])
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
