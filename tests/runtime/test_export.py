@@ -33,8 +33,17 @@ LOGITS_TOL = dict(atol=1e-4, rtol=1e-4)
 CONFIGS = {
     "off": (FlashLoopConfig(), {}),
     # token-sparse selection sizes change form below 11 tokens: one prefill program from there
-    "all_on": (FlashLoopConfig.all_on(), {"min_prompt": 11}),
+    "all_on": (FlashLoopConfig.all_on(**{"token_sparse_prefill.retention": (1.0, 1.0, 0.25)}), {"min_prompt": 11}),
 }
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny preset cut to one layer of 3 loops: AOTInductor compiles each program in about half
+    the time, and loop 3 still selects (token-sparse prefill, sparse decode) and stores residuals."""
+    from passes.conftest import tiny
+
+    return tiny(num_hidden_layers=1, total_ut_steps=3)
 
 LOADER = """
 import json, sys
@@ -134,7 +143,7 @@ def test_a_package_loads_only_for_its_config_device_dtype_torch_and_layout(off_p
     model = load_exported(off_package, config=FlashLoopConfig(), device="cpu", dtype=torch.float32)
     assert model.form == "aoti" and model.buckets == BUCKETS and model.prompt_bounds == (2, MAX_SEQ)
     with pytest.raises(ExportError, match=r"exported for FlashLoop config \w+ .*you asked for \w+ .*export the model with this config"):
-        load_exported(off_package, config=FlashLoopConfig.all_on())
+        load_exported(off_package, config=CONFIGS["all_on"][0])
     with pytest.raises(ExportError, match="exported for cpu, you asked for cuda: export the model on a cuda device"):
         load_exported(off_package, device="cuda")
     with pytest.raises(ExportError, match=r"exported in float32, you asked for bfloat16: export the model in that dtype"):
