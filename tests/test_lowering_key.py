@@ -40,13 +40,14 @@ def fresh_caches(tmp_path, monkeypatch):
     import torch._inductor.config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", True)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
-    monkeypatch.setattr(inductor_config, "force_disable_caches", False)
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+    # the config modules' own patch: monkeypatch's undo leaves torch 2.13's config entries
+    # unreadable ("enable_autograd_cache does not exist"), which failed later tests on the worker
+    with functorch_config.patch(enable_autograd_cache=True), \
+            inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        torch._dynamo.reset()
+        counters.clear()
+        yield
+        torch._dynamo.reset()
 
 
 def _compiled(x: torch.Tensor) -> torch.Tensor:
