@@ -13,7 +13,7 @@ import torch
 
 from flashloop_compile.backend import make_backend
 from flashloop_compile.runtime.engine import Engine
-from passes.conftest import tiny
+from passes.conftest import small
 from runtime.test_prefix import A, B, C, D, MAX_SEQ, STEPS, _config
 from runtime.test_snapshot import _greedy
 
@@ -29,7 +29,7 @@ ATOL = RTOL = 2e-2  # BF16: the bytes move exactly; a different batch around the
 def test_a_reused_prefix_under_cuda_graphs_continues_as_the_in_place_run(switches):
     torch._dynamo.reset()
     config = _config(switches)
-    model = tiny(num_hidden_layers=1, total_ut_steps=3).to(device="cuda", dtype=torch.bfloat16)
+    model = small().to(device="cuda", dtype=torch.bfloat16)
     engine = Engine(model, config, max_batch=3, max_seq=MAX_SEQ, cuda_graphs=True,
                     backend=make_backend(config, inner="eager"))
     n = 32 if switches[0] else 40  # whole windows of the 40 shared tokens where token-sparse prefill selects

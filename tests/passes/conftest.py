@@ -52,6 +52,17 @@ def tiny(**overrides) -> OuroForCausalLM:
     return OuroForCausalLM(config).init_random_().eval()
 
 
+# token-sparse prefill's retention for small(): one ratio per loop
+SMALL = {"token_sparse_prefill.retention": (1.0, 1.0, 0.25)}
+
+
+def small() -> OuroForCausalLM:
+    """The tiny preset cut to one layer of 3 loops (about a third of the compile time of the whole
+    preset): loop 3 still selects (token-sparse prefill, sparse decode) and stores residuals. Its
+    configs take SMALL."""
+    return tiny(num_hidden_layers=1, total_ut_steps=3)
+
+
 def ragged_batch(lengths, vocab=256, seed=0):
     """Right-padded ids [B, T] with per-row positions 0..T-1, and the per-row lengths."""
     g = torch.Generator().manual_seed(seed)

@@ -13,28 +13,22 @@ from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
-from passes.conftest import tiny
+from passes.conftest import SMALL, small
 
 SWITCHES = list(itertools.product([False, True], repeat=3))
 IDS = ["".join("TSQ"[i] if on else "-" for i, on in enumerate(s)) for s in SWITCHES]
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 21)]
 
 
-def _model():
-    """The tiny preset cut to one layer of 3 loops (a third of the compile time): loop 3 still
-    selects (token-sparse prefill, sparse decode) and stores residuals."""
-    return tiny(num_hidden_layers=1, total_ut_steps=3)
-
-
 def _config(switches) -> FlashLoopConfig:
     return FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 8,
-                                                       "token_sparse_prefill.retention": (1.0, 1.0, 0.25)})
+                                                       **SMALL})
 
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=IDS)
 def test_engine_serves_a_batch_of_one_then_a_full_batch(switches):
     # the recompile for batch 2 (= max_batch) sees the batch size read from the input's shape
-    model = _model()
+    model = small()
     config = _config(switches)
     torch._dynamo.reset()
     eng = Engine(model, config, max_batch=2, max_seq=64, backend=make_backend(config, inner="eager"))
@@ -79,7 +73,7 @@ def test_compiled_model_serves_a_batch_of_one_then_a_full_batch(switches, monkey
     from flashloop_compile import backend
 
     monkeypatch.setattr(backend, "_inductor", backend._eager)
-    model = _model()
+    model = small()
     config = _config(switches)
     model.setup_caches(2, 64)
     torch._dynamo.reset()
@@ -95,7 +89,7 @@ def test_compiled_model_serves_a_batch_of_one_then_a_full_batch(switches, monkey
 @pytest.mark.slow
 def test_compiled_model_through_inductor_serves_a_batch_of_one_then_a_full_batch():
     # every feature on, Inductor compiling each graph (minutes on the CPU: one layer per loop)
-    model = _model()
+    model = small()
     config = _config((True, True, True))
     model.setup_caches(2, 64)
     torch._dynamo.reset()

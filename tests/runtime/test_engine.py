@@ -17,19 +17,9 @@ from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine, Sampling
 from flashloop_compile.runtime.state import state_for_model
-from passes.conftest import tiny
+from passes.conftest import SMALL, small, tiny
 
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 30, 21)]
-
-
-def _small():
-    """The tiny preset cut to one layer of 3 loops (a third of the compile time): loop 3 still
-    selects (token-sparse prefill, sparse decode) and stores residuals. Its configs give
-    token-sparse prefill one retention per loop (SMALL)."""
-    return tiny(num_hidden_layers=1, total_ut_steps=3)
-
-
-SMALL = {"token_sparse_prefill.retention": (1.0, 1.0, 0.25)}
 
 
 def _engine(model, config, max_batch=4, max_seq=96, **kw):
@@ -43,7 +33,7 @@ def _engine(model, config, max_batch=4, max_seq=96, **kw):
     ids=["dense", "token_sparse", "sparse_decode", "both"],
 )
 def test_ragged_batch_equals_each_prompt_alone_and_the_reference(switches):
-    model = _small()
+    model = small()
     config = FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 8, **SMALL})
     batch = _engine(model, config).generate(PROMPTS, 6).tokens
     single = _engine(model, config, max_batch=1)
@@ -68,7 +58,7 @@ def test_position_attention_generates_what_the_reference_does():
 
 
 def test_chunked_prefill_aligned_to_windows_equals_one_shot():
-    model = _small()
+    model = small()
     config = FlashLoopConfig.from_switches(True, False, False, **{"token_sparse_prefill.window": 8, **SMALL})
     one_shot = _engine(model, config).generate(PROMPTS, 4).tokens
     chunked = _engine(model, config, prefill_chunk=16).generate(PROMPTS, 4).tokens
@@ -89,7 +79,7 @@ def test_seeded_sampling_is_reproducible_and_stop_tokens_are_per_request():
 
 
 def test_more_prompts_than_max_batch_run_in_waves():
-    model = _small()
+    model = small()
     eng = _engine(model, FlashLoopConfig(), max_batch=2)
     assert eng.generate(PROMPTS, 3).tokens == _engine(model, FlashLoopConfig()).generate(PROMPTS, 3).tokens
 
@@ -109,7 +99,7 @@ def test_errors_say_what_to_change():
 @pytest.mark.parametrize("switches", list(itertools.product([False, True], repeat=3)), ids=lambda s: "".join("TSQ"[i] if on else "-" for i, on in enumerate(s)))
 def test_all_eight_combinations_match_the_reference_through_tail_flushes(switches):
     # prompts past 128 tokens and 66 new tokens: the tail flushes whole blocks during decode
-    model = _small()
+    model = small()
     config = FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32, **SMALL})
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 131)]
     got = _engine(model, config, max_batch=2, max_seq=256).generate(prompts, 66).tokens
@@ -148,7 +138,7 @@ def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
 def test_capture_forwards_leave_live_requests_untouched(switches):
     # a bucket's graph is captured at its first decode step, with requests live in its slots: the
     # warm-up and capture forwards (what _capture runs on _capture_inputs) must not change them
-    model = _small()
+    model = small()
     config = FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32, **SMALL})
     eng = _engine(model, config, max_seq=256)
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (150, 70, 131)]

@@ -21,6 +21,7 @@ import torch
 import flashloop_compile
 from flashloop_compile import ExportError, FlashLoopConfig, load_exported
 from flashloop_compile.runtime.engine import Engine, Sampling
+from passes.conftest import SMALL, small
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_BATCH, MAX_SEQ, BUCKETS, NEW = 2, 64, (2,), 6
@@ -33,17 +34,15 @@ LOGITS_TOL = dict(atol=1e-4, rtol=1e-4)
 CONFIGS = {
     "off": (FlashLoopConfig(), {}),
     # token-sparse selection sizes change form below 11 tokens: one prefill program from there
-    "all_on": (FlashLoopConfig.all_on(**{"token_sparse_prefill.retention": (1.0, 1.0, 0.25)}), {"min_prompt": 11}),
+    "all_on": (FlashLoopConfig.all_on(**SMALL), {"min_prompt": 11}),
 }
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    """The tiny preset cut to one layer of 3 loops: AOTInductor compiles each program in about half
-    the time, and loop 3 still selects (token-sparse prefill, sparse decode) and stores residuals."""
-    from passes.conftest import tiny
+    """passes.conftest.small: AOTInductor compiles each program in about half the time."""
+    return small()
 
-    return tiny(num_hidden_layers=1, total_ut_steps=3)
 
 LOADER = """
 import json, sys

@@ -25,7 +25,7 @@ from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
-from passes.conftest import tiny
+from passes.conftest import SMALL, small
 from runtime.test_snapshot import _greedy
 
 # (token-sparse prefill, sparse decode, KV quantization): the combinations that change what a prefix
@@ -52,15 +52,9 @@ C = _prompt(50, 3)  # a fresh prompt prefilled in the same batch
 D = torch.cat([SHARED, _prompt(6, 5)])  # another new request: its rest is prefilled without flushing a block
 
 
-def _model():
-    """The tiny preset cut to one layer of 3 loops: each graph compiles in a third of the time, and
-    loop 3 still selects (token-sparse prefill, sparse decode) and stores residuals."""
-    return tiny(num_hidden_layers=1, total_ut_steps=3)
-
-
 def _config(switches, **overrides) -> FlashLoopConfig:
     return FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": WINDOW,
-                                                       "token_sparse_prefill.retention": (1.0, 1.0, 0.25),
+                                                       **SMALL,
                                                        "kv_residual_quantization.group_size": GROUP, **overrides})
 
 
@@ -98,7 +92,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=IDS)
 def test_a_prompt_after_a_reused_prefix_equals_prefilling_the_prefix_then_the_rest(switches):
-    model = _model()
+    model = small()
     config = _config(switches)
     token_sparse, _, quantize = switches
     n = 32 if token_sparse else 40  # the shared 40 tokens, in whole windows where token-sparse prefill selects
@@ -172,7 +166,7 @@ def _errors_of_a_filled_engine(engine: Engine) -> None:
 
 
 def test_errors_say_what_to_change():
-    model = _model()
+    model = small()
     engine = _engine(model, _config((False, False, False)), max_batch=3)
     with pytest.raises(ValueError, match="src_row and dst_row are both 1"):
         engine.reuse_prefix(1, 1, 0)
@@ -190,9 +184,9 @@ def test_errors_say_what_to_change():
     with pytest.raises(ValueError, match=r"cached\[1\]=8: row 1 holds 0 tokens"):
         engine.prefill([A, C], cached=[0, 8])
 
-    global_selection = _engine(_model(), _config((True, False, False), **{"token_sparse_prefill.window": None}), max_batch=2)
+    global_selection = _engine(small(), _config((True, False, False), **{"token_sparse_prefill.window": None}), max_batch=2)
     with pytest.raises(ValueError, match="reuse_prefix needs token_sparse_prefill.window"):
         global_selection.reuse_prefix(0, 1, 0)
-    windows = _engine(_model(), _config((True, False, False)), max_batch=2)
+    windows = _engine(small(), _config((True, False, False)), max_batch=2)
     with pytest.raises(ValueError, match=r"cached\[0\]=8 is not a multiple of token_sparse_prefill.window=16"):
         windows.prefill([A], cached=[8])

@@ -21,7 +21,7 @@ from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
 from flashloop_compile.runtime.snapshot import FORMAT_VERSION, RowSnapshot, SnapshotMismatchError
-from passes.conftest import tiny
+from passes.conftest import SMALL, small, tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 SWITCHES = list(itertools.product([False, True], repeat=3))
@@ -84,13 +84,11 @@ def _run_until_snapshot(model, config, path=None):
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=IDS)
 def test_a_request_restored_into_another_row_of_a_fresh_engine_continues_as_if_never_moved(switches):
-    # all 8 combinations on the tiny preset cut to one layer of 3 loops (a third of the compile
-    # time): loop 3 still selects (token-sparse prefill, sparse decode) and stores residuals
-    model = tiny(num_hidden_layers=1, total_ut_steps=3)
-    config = _config(switches, **{"token_sparse_prefill.retention": (1.0, 1.0, 0.25)})
+    model = small()  # all 8 combinations: the small model compiles in a third of the time
+    config = _config(switches, **SMALL)
     snap, want_tokens, want_logits = _run_until_snapshot(model, config)
 
-    b = _engine(tiny(num_hidden_layers=1, total_ut_steps=3), config)  # an engine allocates its model's caches: another model of the same weights
+    b = _engine(small(), config)  # an engine allocates its model's caches: another model of the same weights
     first = b.prefill(PROMPTS_B)
     restored = b.restore(snap, 0)  # replaces row 0's longer request
     assert restored.position == len(PROMPTS_A[1]) + BEFORE
