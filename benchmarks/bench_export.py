@@ -49,17 +49,8 @@ def main() -> int:
 
     dev = device()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    if args.layers is None:
-        model = OuroForCausalLM.from_preset(args.preset, dtype=dtype, device=dev, seed=0).eval()
-    else:
-        import dataclasses
-
-        from flashloop_compile.models.ouro import PRESETS
-
-        torch.manual_seed(0)
-        with torch.device(dev):
-            model = OuroForCausalLM(dataclasses.replace(PRESETS[args.preset], num_hidden_layers=args.layers))
-        model = model.init_random_().to(dtype=dtype).eval()
+    layers = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    model = OuroForCausalLM.from_preset(args.preset, dtype=dtype, device=dev, seed=0, **layers).eval()
     # outlining splits the engine's compile per layer (minutes -> seconds at 24 layers); an exported
     # program is always whole, so it changes nothing in the package but the recorded config
     config = FlashLoopConfig.all_on(**{"compilation.outline_layers": True})

@@ -27,7 +27,6 @@ CPU smoke run (a minute or two):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ from common import cuda_times, device, kernel_profile, print_profile, record  # 
 
 from flashloop_compile.backend import make_backend  # noqa: E402
 from flashloop_compile.config import FlashLoopConfig  # noqa: E402
-from flashloop_compile.models.ouro import PRESETS, OuroForCausalLM  # noqa: E402
+from flashloop_compile.models.ouro import OuroForCausalLM  # noqa: E402
 from flashloop_compile.runtime.engine import Engine  # noqa: E402
 
 CONFIGS = {"dense": (False, False, False), "all_on": (True, True, True)}  # FlashLoopConfig.from_switches
@@ -55,13 +54,8 @@ def measure(preset: str, dtype: torch.dtype, name: str, context: int, shared: fl
     # graphs at 24 layers); both paths run the same graphs' code
     config = FlashLoopConfig.from_switches(*CONFIGS[name], **{"token_sparse_prefill.window": window,
                                                              "compilation.outline_layers": True})
-    if layers is None:
-        model = OuroForCausalLM.from_preset(preset, dtype=dtype, device=device()).eval()
-    else:
-        torch.manual_seed(0)
-        with torch.device(device()):
-            model = OuroForCausalLM(dataclasses.replace(PRESETS[preset], num_hidden_layers=layers))
-        model = model.init_random_().to(dtype=dtype).eval()
+    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    model = OuroForCausalLM.from_preset(preset, dtype=dtype, device=device(), **overrides).eval()
     engine = Engine(model, config, max_batch=2, max_seq=context + NEW_TOKENS, max_new_tokens=NEW_TOKENS,
                     backend=make_backend(config, inner=inner))
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))

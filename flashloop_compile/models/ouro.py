@@ -375,14 +375,20 @@ class OuroForCausalLM(nn.Module):
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_preset(cls, name: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0) -> "OuroForCausalLM":
-        """Random-init model of a preset's shape (``tiny``, ``ouro-1.4b``, ``ouro-2.6b``)."""
+    def from_preset(cls, name: str, *, dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0,
+                    **overrides: Any) -> "OuroForCausalLM":
+        """Random-init model of a preset's shape (``tiny``, ``ouro-1.4b``, ``ouro-2.6b``);
+        ``overrides``: OuroConfig fields to change (e.g. ``num_hidden_layers`` for a shorter stack)."""
         if name not in PRESETS:
             raise ModelConfigError(f"unknown preset {name!r}: choose one of {sorted(PRESETS)}")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(OuroConfig)})
+        if unknown:
+            raise ModelConfigError(f"unknown OuroConfig fields {unknown}: override fields of {sorted(f.name for f in dataclasses.fields(OuroConfig))}")
+        config = dataclasses.replace(PRESETS[name], **overrides)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             with torch.device(device):
-                model = cls(PRESETS[name])
+                model = cls(config)
             model.init_random_()
         return model.to(dtype=dtype)
 

@@ -628,3 +628,11 @@ def test_corrupted_checkpoint_files_are_errors_naming_the_file(tmp_path, tiny_mo
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ModelConfigError, match=r"config\.json holds list"):
         OuroForCausalLM.from_pretrained(tmp_path)
+
+
+def test_from_preset_takes_config_overrides_and_names_unknown_fields():
+    model = OuroForCausalLM.from_preset("tiny", num_hidden_layers=1, total_ut_steps=3)
+    assert (model.config.num_hidden_layers, model.config.num_loops) == (1, 3)
+    assert model.config.hidden_size == TINY.hidden_size  # the rest of the preset kept
+    with pytest.raises(ModelConfigError, match=r"unknown OuroConfig fields \['layers'\]"):
+        OuroForCausalLM.from_preset("tiny", layers=1)
