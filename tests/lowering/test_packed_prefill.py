@@ -92,6 +92,42 @@ def test_prefill_attention_matches_aten(dtype, queries):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("depth", [0, 2])
+def test_prefill_over_stored_keys_matches_aten(dtype, depth):
+    # Chunks over a stored prefix (the stored keys read once as rows, then the flash loop): row 0
+    # a 40-token chunk after 100 stored tokens (flushed groups, the ring; residual rows of a nested
+    # subset at depth 2), row 1 no in-flight keys and queries at scattered stored positions (it
+    # reads the store up to its last query: the masked stored band), row 2 a fresh prompt.
+    H, D, G = 2, 64, 16
+    g = torch.Generator().manual_seed(5)
+    cache = PackedKVCache(1, 4, 3, 256, H, D, dtype=dtype, group_size=G, tail=G)
+    n = torch.tensor([100, 70, 0])
+    pos = torch.arange(100).repeat(3, 1)
+    pos = torch.where(pos < n[:, None], pos, -1)
+    keep = torch.ones_like(pos, dtype=torch.bool)
+    for d in range(depth + 1):
+        if d >= 2:
+            keep &= torch.rand(pos.shape, generator=g) < 0.5
+        k, v = (torch.randn(3, H, 100, D, generator=g).to(dtype) for _ in range(2))
+        P.packed_kv_write_aten(*cache.op_tensors(0), k, v, torch.where(keep, pos, -1), d)
+    T = 40
+    ipos = torch.full((3, T), -1)
+    ipos[0] = torch.arange(100, 100 + T)
+    ipos[2, :30] = torch.arange(30)
+    qpos = ipos.clone()
+    qpos[1] = torch.randint(-1, 70, (T,), generator=g).sort().values
+    k, v = (torch.randn(3, H, T, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(3, 2 * H, T, D, generator=g).to(dtype)
+    ref = P.packed_attention_aten(q, k, v, qpos, ipos, depth, *cache.op_tensors(0), 0.125)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for tuning in ({"block_m": 16, "block_n_inflight": 16}, None):
+        out = torch.empty_like(q)
+        PA.launch_packed_attention(cache.op_tensors(0), q, k, v, qpos, ipos, depth, 0.125, out, mode="prefill",
+                                  tuning=tuning)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("key,val", [("block_m", 8), ("block_n_inflight", 48)])
 def test_prefill_refuses_a_tile_that_is_not_a_tensor_core_tile(key, val):
     cache = PackedKVCache(1, 4, 1, 256, 2, 64)

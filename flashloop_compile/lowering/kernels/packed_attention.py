@@ -19,6 +19,7 @@ from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _CDTYPE_
 from flashloop_compile.lowering.kernels.packed_decode import (
     FAST_DECODE, FP32_ONE_BITS, _combine_kernel, _decode_bulk_kernel, bulk_lanes, decode_splits,
 )
+from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_attention", "inflight_bounds", "PACKED_PREFILL"]
@@ -124,7 +125,7 @@ def _attn_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, rows, depth_count, res_layout,
-    out, part_ml, part_acc, bounds,
+    out, part_ml, part_acc, bounds, k_st, v_st,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     sqp_b, sqp_t, sip_b, sip_t,
     T, Ti, Hq, depth_arg, scale, B, H, S, NB, CAPT, R,
@@ -136,10 +137,13 @@ def _attn_kernel(
 ):
     """NTAIL (FAST; 1 otherwise): programs per row for what the bulk kernel leaves (splits
     NSTORED .. NSTORED + NTAIL - 1, each taking every NTAIL-th tile of it; the first also the
-    in-flight keys). FUSED (prefill): bounds [B, query tiles, 2] int32 from inflight_bounds: the
-    in-flight keys [0, bounds[0]) are visible to every valid row of the tile (no mask), the rest
-    up to bounds[1] are masked by position, none after it is visible; query tiles run heaviest
-    first (the last tile has the latest positions when they ascend)."""
+    in-flight keys). FUSED (prefill): the stored keys come as whole rows, k_st/v_st [B, H, S, D]
+    (the launcher's packed read of positions 0..P0-1), attended in flash attention's loop like
+    the in-flight keys, masked by position (and by depth_count: a position never written is no
+    key); bounds [B, query tiles, 2] int32 from inflight_bounds: the in-flight keys [0, bounds[0])
+    are visible to every valid row of the tile (no mask), the rest up to bounds[1] are masked by
+    position, none after it is visible; query tiles run heaviest first (the last tile has the
+    latest positions when they ascend). Decode: k_st/v_st unused."""
     depth = depth_arg - _DEPTH_BIAS
     HD: tl.constexpr = D // 2
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64
@@ -181,6 +185,9 @@ def _attn_kernel(
         nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
         tile = (nfast * BNF) // BN + tl.program_id(1)
         t_hi = (P0 + BN - 1) // BN
+    elif FUSED:  # the stored keys as whole rows below
+        tile = 0
+        t_hi = 0
     else:
         ntiles = (P0 + BN - 1) // BN
         tile = (z * ntiles) // NSTORED
@@ -216,6 +223,19 @@ def _attn_kernel(
                       mask=qvalid[:, None] & cmask[None, :], other=0.0)
         if DOT_T == 0:
             q_w = q_w.to(tl.float32)
+        # stored keys 0..P0-1 (positions = indices; a position the store never held is no key):
+        # masked by position (a row without in-flight keys reads the store up to its own
+        # position); a tile without a valid row reads none
+        s_end = tl.where(qmax >= 0, P0, 0)
+        rw = (b * H + h) * S
+        cs = c[None, :]
+        for t0 in range(0, s_end, BNI):
+            tk = (t0 + tl.arange(0, BNI)).to(tl.int64)
+            kin = tk < s_end
+            held = tl.load(depth_count + b * S + tk, mask=kin, other=0) > 0
+            m_i, l_i, acc_w = _inflight_step(q_w, k_st + (rw + tk)[:, None] * D + cs, v_st + (rw + tk)[:, None] * D + cs,
+                                             cmask[None, :] & kin[:, None], tk, tl.where(held, tk, -1), qpos, qvalid,
+                                             m_i, l_i, acc_w, qk_scale, DOT_T, True)
         bnd = bounds + (b * tl.num_programs(2) + mt) * 2
         a_end = tl.load(bnd)
         hi_end = tl.load(bnd + 1)
@@ -349,6 +369,7 @@ def launch_packed_attention(
                          f"group {G}, block_n {tune['block_n']}")
     stages = tune["num_stages"]
     bounds, stages_opt = p0, {}  # bounds: read by prefill's whole-row path only
+    k_st = v_st = k_inflight  # the stored keys as rows: prefill only
     if mode == "decode":
         bm = 1 if mrows == 1 else max(16, next_pow2(mrows))
         bn = min(G, 32)  # a key tile lies in one block (K parameters loaded once per tile)
@@ -387,6 +408,16 @@ def launch_packed_attention(
                 raise ValueError(f"prefill {key} must be a power of two >= 16 (a tensor-core tile); got {val}")
         bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni)
         stages_opt = {} if interp else {"num_stages": int(ptune["num_stages"])}
+        # the stored keys read once as rows (a bandwidth-bound packed read) for every query tile's
+        # flash loop, rather than reconstructed in every query tile (that way a 4096-token chunk
+        # over a stored 28K prefix took 2.5 s at 24 layers, 2.6x the whole 32K prompt:
+        # benchmarks/RESULTS.md, prefix reuse). Sized by the cache's capacity (P0 is on the
+        # device); the tiles from P0 on are left unread
+        k_st = q.new_empty(Bc, H, S, D)
+        v_st = q.new_empty(Bc, H, S, D)
+        ar = torch.arange(S, device=q.device)[None, :]
+        launch_packed_read(tensors, torch.where(ar < p0[:, None], ar, -1).expand(Bc, S), depth, k_st, v_st, wrap=wrap,
+                           skip_padding=True)
     else:
         raise ValueError(f"mode must be 'decode' or 'prefill', got {mode!r}")
     if fast:
@@ -406,7 +437,7 @@ def launch_packed_attention(
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
         c.k_tail, c.v_tail, c.flushed, c.rows, c.depth_count, c.res_layout,
-        out, part_ml, part_acc, bounds,
+        out, part_ml, part_acc, bounds, k_st, v_st,
         *q.stride(), *k_inflight.stride(), *v_inflight.stride(),
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,

@@ -176,7 +176,7 @@ def _read_bulk_kernel(
     k_tail, v_tail, depth_count, in_positions, k_in, v_in,
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, Ti,
     D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, RP: tl.constexpr, DEPTH: tl.constexpr,
-    NP: tl.constexpr, SPLIT: tl.constexpr,
+    NP: tl.constexpr, SPLIT: tl.constexpr, SKIP_PADDING: tl.constexpr = False,
 ):
     """packed_read of the tiles _bulk_read_tile admits (sparse decode's loop-2 reference reads
     the whole history, its corrections the selected keys: almost all such tiles). No per-token resolution, the depth a constexpr (unrolled residuals), K
@@ -184,13 +184,16 @@ def _read_bulk_kernel(
     whole (even/odd halves interleaved in registers). Same arithmetic, in the same order, as
     _reconstruct: the two kernels write identical values. A tile the test refuses is read here too, by _read_tile on SPLIT sub-tiles of BP / SPLIT positions in
     turn (the generic kernel's tile), so no second launch is needed (the in-flight tensors and
-    strides are read only then)."""
+    strides are read only then). SKIP_PADDING: a tile of padding alone (-1) is left unwritten
+    (a reader that bounds what it reads by position, as prefill's packed attention)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     t = tl.program_id(2) * BP + tl.arange(0, BP)
     tm = t < P
     p = tl.load(positions + b * sp_b + h * sp_h + t * sp_t, mask=tm, other=-1)
-    if _bulk_read_tile(p, tm, flushed + b * R, lim + b, DEPTH, BP, RP):
+    if SKIP_PADDING and tl.max(p, 0) < 0:
+        pass
+    elif _bulk_read_tile(p, tm, flushed + b * R, lim + b, DEPTH, BP, RP):
         _write_bulk_tile(k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
                          k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
                          rows, res_layout, out_k, out_v, p.to(tl.int32), t, b, h, P, B, H, S, NB, CAPT,
@@ -340,14 +343,17 @@ PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_bloc
 
 
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
-                       bulk: bool | None = None, block_p: int | None = None, split: int | None = None) -> None:
+                       bulk: bool | None = None, block_p: int | None = None, split: int | None = None,
+                       skip_padding: bool = False) -> None:
     """Logical K/V at ``depth`` of positions [B, P] (every head) or [B, H, P] (per head) into
     out_k/out_v [B, H, P, D] (contiguous). ``inflight``: (positions [B, Ti], k [B, H, Ti, D], v)
     of this step's tokens: a position equal to one of them reads its row (see packed_ops).
     A power-of-two head_dim with an even group reads in one launch of _read_bulk_kernel (tiles below
     the flushed boundaries without per-token resolution, the others on ``split`` sub-tiles, default
     PACKED_READ["generic_split"]); other shapes take _read_kernel. ``bulk`` False: _read_kernel for
-    any shape (tests compare the two). ``block_p``: positions per program (tests)."""
+    any shape (tests compare the two). ``block_p``: positions per program (tests). ``skip_padding``:
+    the bulk kernel leaves a tile of padding alone unwritten instead of zeroing it (prefill's packed
+    attention reads the cache's whole capacity, mostly padding for a fresh prompt)."""
     c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, P = positions.shape[0], positions.shape[-1]
@@ -392,7 +398,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
             sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
             c.k_tail, c.v_tail, c.depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1],
             D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, NP=np_, SPLIT=bp // bpg,
-            num_warps=PACKED_READ["num_warps"],
+            SKIP_PADDING=skip_padding, num_warps=PACKED_READ["num_warps"],
         )
         return
     wrap(_read_kernel)[(Bc, H, triton.cdiv(P, bpg))](
