@@ -185,39 +185,36 @@ def _attn_kernel(
         nfast = tl.where(tl.max(qvalid.to(tl.int32), 0) > 0, nfast, 0)
         tile = (nfast * BNF) // BN + tl.program_id(1)
         t_hi = (P0 + BN - 1) // BN
-    elif FUSED:  # the stored keys as whole rows below
-        tile = 0
-        t_hi = 0
-    else:
+    elif not FUSED:  # FUSED (prefill): the stored keys as whole rows, below
         ntiles = (P0 + BN - 1) // BN
         tile = (z * ntiles) // NSTORED
         t_hi = ((z + 1) * ntiles) // NSTORED
         if z >= NSTORED:
             t_hi = tile
-    while tile < t_hi:
-        kpos = tile.to(tl.int64) * BN + tl.arange(0, BN)
-        pm = kpos < P0
-        ke, ko, ve, vo, kvalid = _reconstruct(
-            kpos, pm, b, h, depth,
-            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-            k_tail, v_tail, flushed, rows, depth_count, res_layout,
-            B, H, S, NB, CAPT, R, D, G, 0, NP, True, RP,
-        )
-        m_i, l_i, acc_e, acc_o = _attend(
-            qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
-            kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
-        )
-        tile += NTAIL
+    if not FUSED:
+        while tile < t_hi:
+            kpos = tile.to(tl.int64) * BN + tl.arange(0, BN)
+            pm = kpos < P0
+            ke, ko, ve, vo, kvalid = _reconstruct(
+                kpos, pm, b, h, depth,
+                k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+                k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
+                k_tail, v_tail, flushed, rows, depth_count, res_layout,
+                B, H, S, NB, CAPT, R, D, G, 0, NP, True, RP,
+            )
+            m_i, l_i, acc_e, acc_o = _attend(
+                qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD), _round_to(vo, CD),
+                kpos, kvalid, qpos, qvalid, m_i, l_i, acc_e, acc_o, scale, USE_DOT, DOT_T,
+            )
+            tile += NTAIL
     if FUSED:
         # prefill: the in-flight keys (every prompt key of a fresh prefill) as whole rows, flash
         # attention's loop: contiguous loads, one MMA over D, base-2 exponentials, software
         # pipelined (range bounds, no branch in the body): keys [0, a_end) unmasked, [a_end,
-        # hi_end) masked by position; the stored tiles' even/odd halves are joined first
+        # hi_end) masked by position
         c = tl.arange(0, 2 * NP)
         cmask = c < D
-        acc_w = tl.reshape(tl.join(acc_e, acc_o), [BM, 2 * NP])
-        m_i = m_i * _LOG2E  # -inf stays -inf
+        acc_w = tl.zeros([BM, 2 * NP], tl.float32)
         qk_scale = scale * _LOG2E
         q_w = tl.load(q + (b * sq_b + hq * sq_h + t * sq_t)[:, None] + c[None, :] * sq_d,
                       mask=qvalid[:, None] & cmask[None, :], other=0.0)
