@@ -239,7 +239,7 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]
-        run("write 8K depth 1", lambda: PW.launch_packed_kv_write(t, kv, kv, pos, 1, wrap=wrap))
+        run(f"write 8K depth {depth}", lambda: PW.launch_packed_kv_write(t, kv, kv, pos, depth, wrap=wrap))
         t1, _q1, kv1, pos1, _out1 = _decode_setup(4, 32768)  # a decode step's write (ONE_TOKEN)
         run("write one token depth 1", lambda: PW.launch_packed_kv_write(t1, kv1, kv1, pos1, 1, wrap=wrap))
     return [(label, grid, kwargs, compiled) for label, (_, grid, kwargs, compiled) in zip(labels, sink)]
@@ -259,7 +259,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["decode", "prefill", "sparse", "read", "attend", "write"])
     ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
-    ap.add_argument("--depth", type=int, default=1, help="loop depth of the decode and read launches (0..R-1; a constexpr of the bulk kernels)")
+    ap.add_argument("--depth", type=int, default=1, help="loop depth of the decode, read and prompt-write launches (0..R-1; a constexpr of the bulk and write kernels)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel instead of the table")
     args = ap.parse_args()
