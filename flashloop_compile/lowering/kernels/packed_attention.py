@@ -406,10 +406,9 @@ def launch_packed_attention(
         bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni)
         stages_opt = {} if interp else {"num_stages": int(ptune["num_stages"])}
         # the stored keys read once as rows (a bandwidth-bound packed read) for every query tile's
-        # flash loop, rather than reconstructed in every query tile (that way a 4096-token chunk
-        # over a stored 28K prefix took 2.5 s at 24 layers, 2.6x the whole 32K prompt:
-        # benchmarks/RESULTS.md, prefix reuse). Sized by the cache's capacity (P0 is on the
-        # device); the tiles from P0 on are left unread
+        # flash loop, rather than reconstructed in every query tile (7.7x slower for a 4096-token
+        # chunk over a stored 28K prefix: docs/DESIGN.md section 7). Sized by the cache's
+        # capacity (P0 is on the device); the tiles from P0 on are left unread
         k_st = q.new_empty(Bc, H, S, D)
         v_st = q.new_empty(Bc, H, S, D)
         ar = torch.arange(S, device=q.device)[None, :]
