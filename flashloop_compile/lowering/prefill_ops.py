@@ -69,7 +69,12 @@ def prompt_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     if q.device.type == "cpu":
         positions = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
         return position_attention_aten(q, k, v, positions, scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=bool(q.shape[1] != k.shape[1]))  # bool: SDPA refuses a SymBool
+    # a branch, not enable_gqa=(q.shape[1] != k.shape[1]): traced with dynamic head counts (a
+    # recompile for a second head count) that is a SymBool, which SDPA refuses even through
+    # bool(); the branch guards on it and passes a constant
+    if q.shape[1] != k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> None:
