@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence

@@ -4,6 +4,7 @@ Triton, which CPU-only installs do not have)."""
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 __all__ = ["next_pow2", "sm_count", "cpu_semantics", "no_wrap", "wrap_triton", "stored_end", "key_counts", "SUPPORTED_HEAD_DIMS"]
 

@@ -14,7 +14,7 @@ row of packed codes is loaded once as [*, D/2] bytes and never interleaved in re
 
 Quantization matches :mod:`flashloop_compile.reference.codec` bit for bit: FP32 min/max,
 scale = fp16((max - min) / 15) with a correctly rounded division (``div_rn``), codes =
-clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (round-half-even written out),
+clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (round-half-even by the 1.5 * 2^23 add),
 constant groups scale 0 / codes 0; decode min + scale * code in FP32 (scale * code is exact, so
 an FMA contraction cannot change it). Compute-dtype outputs are rounded to nearest even
 explicitly (the interpreter truncates float32 -> bfloat16).
@@ -75,10 +75,10 @@ def _codes(x, mn, sc):
     pos = s32 > 0.0
     safe = tl.where(pos, s32, 1.0)
     q = tl.math.div_rn(x - m32, safe)
-    f = tl.floor(q)
-    diff = q - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    r = tl.where((diff > 0.5) | ((diff == 0.5) & odd), f + 1.0, f)
+    # round half to even by the 1.5 * 2^23 add: for |q| < 2^22 the sum lies in [2^23, 2^24),
+    # where FP32 steps by 1, so the add rounds q to the nearest integer, ties to even (the
+    # constant is even); a larger |q| lands outside [0, 15] either way and the clamp decides
+    r = (q + 12582912.0) - 12582912.0
     r = tl.minimum(tl.maximum(r, 0.0), 15.0)
     return tl.where(pos, r, 0.0).to(tl.int32)
 
@@ -246,13 +246,15 @@ def _bulk_residual_rows(rows, res_layout, j, b, B, S, p):
 
 @triton.jit
 def _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
-            B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr):
-    """FP32 K halves [BP, D/2] (not rounded) of positions p in the flushed bulk of row (b, h):
-    the base plus residuals 1..DEPTH where present. Pointers are the (b, h) bases of the codes
-    and of the base parameters; kw: the K parameters' pair-word offsets in a block table ([1, D/2]
-    for a tile in one block, [BP, D/2] per position)."""
+            B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr, PAIR0: tl.constexpr = 0, NP: tl.constexpr = 0):
+    """FP32 K halves [BP, NP] (not rounded) of positions p in the flushed bulk of row (b, h), for
+    the channel pairs PAIR0 .. PAIR0 + NP - 1 (NP = 0: all D/2): the base plus residuals 1..DEPTH
+    where present. Pointers are the (b, h) bases of the codes and of the base parameters; kw: the
+    K parameters' pair-word offsets in a block table ([1, NP] for a tile in one block, [BP, NP]
+    per position)."""
     HD: tl.constexpr = D // 2
-    i = tl.arange(0, HD)
+    W: tl.constexpr = HD if NP == 0 else NP
+    i = PAIR0 + tl.arange(0, W)
     c = tl.load(kb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
     mn_e, mn_o = _pair_words(kb_min, kw, HD)
     sc_e, sc_o = _pair_words(kb_scale, kw, HD)
@@ -271,42 +273,53 @@ def _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, 
 
 @triton.jit
 def _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
-            D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr):
+            D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, GROUP: tl.constexpr = -1):
     """FP32 V halves [BP, D/2] (not rounded) of positions p in the flushed bulk of row (b, h),
-    as _bulk_k; the pointers are the (b, h) bases of codes and per-row parameters."""
+    as _bulk_k; the pointers are the (b, h) bases of codes and per-row parameters. GROUP >= 0:
+    only that group's G channels ([BP, G/2] halves, one parameter pair per row)."""
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
-    i = tl.arange(0, HD)
+    if GROUP < 0:
+        i = tl.arange(0, HD)
+    else:
+        i = GROUP * (G // 2) + tl.arange(0, G // 2)
     c = tl.load(vb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
-    vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BP, NG, G, HD)
+    vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BP, NG, G, HD, GROUP)
     ve = vmn + vsc * (c & 15).to(tl.float32)
     vo = vmn + vsc * (c >> 4).to(tl.float32)
     for j in tl.static_range(1, DEPTH + 1):
         has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, p)
         c = tl.load(vr_codes + g[:, None] * HD + i[None, :], mask=has[:, None], other=0).to(tl.int32)
-        vmn, vsc = _row_group_params(vr_min, vr_scale, g, has, BP, NG, G, HD)
+        vmn, vsc = _row_group_params(vr_min, vr_scale, g, has, BP, NG, G, HD, GROUP)
         ve = tl.where(has[:, None], ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
         vo = tl.where(has[:, None], vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
     return ve, vo
 
 
 @triton.jit
-def _row_group_params(v_min, v_scale, r, rmask, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, HD: tl.constexpr):
+def _row_group_params(v_min, v_scale, r, rmask, BN: tl.constexpr, NG: tl.constexpr, G: tl.constexpr, HD: tl.constexpr,
+                      GROUP: tl.constexpr = -1):
     """FP32 V (minimum, scale) [BN, HD] of rows r [BN]: one load of a row's NG groups (contiguous),
     broadcast over each group's G / 2 channel pairs. One or two groups per row (head_dim 64 or
-    128 at G = 64) select in registers; more go through a reshape (a shared-memory shuffle)."""
-    gi = tl.arange(0, NG)
-    vp = r[:, None] * NG + gi[None, :]
-    mn = tl.load(v_min + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
-    sc = tl.load(v_scale + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
-    if NG == 1:
-        return tl.broadcast_to(mn, [BN, HD]), tl.broadcast_to(sc, [BN, HD])
-    elif NG == 2:
-        first = (tl.arange(0, HD) < G // 2)[None, :]
-        mn0, mn1 = tl.split(mn)
-        sc0, sc1 = tl.split(sc)
-        return tl.where(first, mn0[:, None], mn1[:, None]), tl.where(first, sc0[:, None], sc1[:, None])
+    128 at G = 64) select in registers; more go through a reshape (a shared-memory shuffle).
+    GROUP >= 0: that group's parameters alone, [BN, 1]."""
+    if GROUP >= 0:
+        mn = tl.load(v_min + r * NG + GROUP, mask=rmask, other=0.0).to(tl.float32)
+        sc = tl.load(v_scale + r * NG + GROUP, mask=rmask, other=0.0).to(tl.float32)
+        return mn[:, None], sc[:, None]
     else:
-        mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, HD])
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, HD])
-        return mn, sc
+        gi = tl.arange(0, NG)
+        vp = r[:, None] * NG + gi[None, :]
+        mn = tl.load(v_min + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
+        sc = tl.load(v_scale + vp, mask=rmask[:, None], other=0.0).to(tl.float32)
+        if NG == 1:
+            return tl.broadcast_to(mn, [BN, HD]), tl.broadcast_to(sc, [BN, HD])
+        elif NG == 2:
+            first = (tl.arange(0, HD) < G // 2)[None, :]
+            mn0, mn1 = tl.split(mn)
+            sc0, sc1 = tl.split(sc)
+            return tl.where(first, mn0[:, None], mn1[:, None]), tl.where(first, sc0[:, None], sc1[:, None])
+        else:
+            mn = tl.reshape(tl.broadcast_to(mn[:, :, None], [BN, NG, G // 2]), [BN, HD])
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], [BN, NG, G // 2]), [BN, HD])
+            return mn, sc

@@ -2,7 +2,7 @@
 
 - ``_write_flush_kernel`` [B, H, ranges]: quantize the whole G-token blocks a write moves out of
   the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1;
-  two compilations); values of earlier calls come from the ring, values of this call from k/v (at
+  one compilation per depth); values of earlier calls come from the ring, values of this call from k/v (at
   p - first when the call's positions are consecutive, else found by binary search), whole rows
   loaded contiguously. At depth > 0 a first launch of the same kernel (COUNT) stores each group's
   count of residual rows, and each range starts at the sum of the counts before it. Writes the
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
-from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _codes, _geometry, _params, _reconstruct
+from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _bulk_k, _bulk_v, _codes, _geometry, _params, _row_bases
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_kv_write"]
@@ -34,15 +34,15 @@ def _write_flush_kernel(
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, NBP: tl.constexpr,
-    BASE: tl.constexpr, COUNT: tl.constexpr, RP: tl.constexpr = 1, ONE_TOKEN: tl.constexpr = False,
+    BASE: tl.constexpr, COUNT: tl.constexpr, PRED: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False,
 ):
     """One program per (b, h, range of the row's groups to flush). BASE: depth 0 (a separate
-    compilation: the residual path's reconstruction is not in the base kernel's registers). RP:
-    the depth at depth > 0, so that the predecessor's reconstruction unrolls exactly its residuals
-    1..depth-1 (one compilation per depth; the residual kernel with every level unrolled and
-    masked held 255 registers and ran 2.37 ms at 1x32K depth 1, see docs/DESIGN.md).
+    compilation). PRED: depth - 1 at depth > 0, the predecessor whose reconstruction the
+    residuals are taken against (its residuals 1..PRED unroll: one compilation per depth).
     COUNT: grid (B, 1, NCH), store each group's count of residual rows in counts[b, group] and
-    nothing else (the flush's ranges at depth > 0 start at the sum of the counts before them)."""
+    nothing else (the flush's ranges at depth > 0 start at the sum of the counts before them).
+    A group is handled G channels at a time (one V group), as even/odd halves [G, G/2], K then
+    V, so that one tile's rows, reconstruction and codes are live at a time."""
     if BASE:
         depth = 0
     else:
@@ -138,56 +138,68 @@ def _write_flush_kernel(
             mc = (in_call & act)[:, None]
             mr = ((in_call == 0) & act)[:, None]
             am = act[:, None]
+            fm = fits[:, None]
+            xk_rows = k + (b * sk_b + h * sk_h + idx * sk_t)[:, None]
+            xv_rows = v + (b * sv_b + h * sv_h + idx * sv_t)[:, None]
+            ring = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D
+            if not BASE:
+                kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+                    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+                    bh, S, NB, CAPT, D, G)
             for g in tl.static_range(NG):
-                # channels g*G .. g*G + G - 1 of the block's rows: whole rows of k/v (or the ring)
-                # loaded contiguously, parameters over the natural [rows, channels] tile, the codes
-                # split into even/odd channel pairs only to pack them
+                # channels g*G .. g*G + G - 1 of the block's rows (whole rows of k/v or the ring,
+                # loaded contiguously) as even/odd halves [G, G/2]: pair i's two codes make byte i.
+                # One V group per row exactly; K groups are per channel.
                 ch = g * G + tl.arange(0, G)
                 i = g * HG + tl.arange(0, HG)
-                tp = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D + ch[None, :]
-                xk = tl.where(mc, tl.load(k + (b * sk_b + h * sk_h + idx * sk_t)[:, None] + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
-                              tl.load(k_tail + tp, mask=mr, other=0.0).to(tl.float32))
-                xv = tl.where(mc, tl.load(v + (b * sv_b + h * sv_h + idx * sv_t)[:, None] + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
-                              tl.load(v_tail + tp, mask=mr, other=0.0).to(tl.float32))
+                # K: one group per channel over the block's active rows
+                x = tl.where(mc, tl.load(xk_rows + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
+                             tl.load(k_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
+                xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
                 if not BASE:
-                    rke, rko, rve, rvo, _ok = _reconstruct(
-                        p, act, b, h, depth - 1,
-                        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
-                        k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
-                        k_tail, v_tail, flushed, rows, depth_count, res_layout,
-                        B, H, S, NB, CAPT, R, D, G, g * HG, HG, True, RP,
-                    )
-                    xk = xk - tl.reshape(tl.join(rke, rko), [G, G])
-                    xv = xv - tl.reshape(tl.join(rve, rvo), [G, G])
-                # K: one group per channel over the block's (active) rows
-                kmn, ksc = _params(tl.min(tl.where(am, xk, float("inf")), 0), tl.max(tl.where(am, xk, float("-inf")), 0))
-                ke, ko = tl.split(tl.reshape(_codes(xk, kmn[None, :], ksc[None, :]), [G, HG, 2]))
-                kbyte = (ke | (ko << 4)).to(tl.uint8)
-                # V: one group per row over these G channels
-                vmn, vsc = _params(tl.min(xv, 1), tl.max(xv, 1))
-                ve, vo = tl.split(tl.reshape(_codes(xv, vmn[:, None], vsc[:, None]), [G, HG, 2]))
-                vbyte = (ve | (vo << 4)).to(tl.uint8)
+                    # the predecessor (depth - 1): every active row lies below flushed[d-1] (the
+                    # flush's target), where base + residuals 1..d-1 are present exactly where the
+                    # rows maps say, read as the bulk readers do (no ring, no per-token resolution)
+                    re_, ro_ = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
+                                       (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
+                    xe = xe - re_
+                    xo = xo - ro_
+                mne, sce = _params(tl.min(tl.where(am, xe, float("inf")), 0), tl.max(tl.where(am, xe, float("-inf")), 0))
+                mno, sco = _params(tl.min(tl.where(am, xo, float("inf")), 0), tl.max(tl.where(am, xo, float("-inf")), 0))
+                kbyte = (_codes(xe, mne[None, :], sce[None, :]) | (_codes(xo, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
                 if BASE:
-                    kpp = (bh * NB + blk) * D + ch
-                    tl.store(k_base_min + kpp, kmn)
-                    tl.store(k_base_scale + kpp, ksc)
-                    cpos = (bh * S + p)[:, None] * HD + i[None, :]
-                    tl.store(k_base + cpos, kbyte)
-                    tl.store(v_base + cpos, vbyte)
-                    vpp = (bh * S + p) * NG + g
-                    tl.store(v_base_min + vpp, vmn)
-                    tl.store(v_base_scale + vpp, vsc)
+                    tl.store(k_base + (bh * S + p)[:, None] * HD + i[None, :], kbyte)
+                    kpp = (bh * NB + blk) * D + 2 * i
+                    tl.store(k_base_min + kpp, mne)
+                    tl.store(k_base_min + kpp + 1, mno)
+                    tl.store(k_base_scale + kpp, sce)
+                    tl.store(k_base_scale + kpp + 1, sco)
                 else:
-                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + ch
-                    tl.store(k_res_min + kpp, kmn)
-                    tl.store(k_res_scale + kpp, ksc)
-                    fm = fits[:, None]
-                    cpos = (bh * CAPT + grow)[:, None] * HD + i[None, :]
-                    tl.store(k_res + cpos, kbyte, mask=fm)
-                    tl.store(v_res + cpos, vbyte, mask=fm)
-                    vpp = (bh * CAPT + grow) * NG + g
-                    tl.store(v_res_min + vpp, vmn, mask=fits)
-                    tl.store(v_res_scale + vpp, vsc, mask=fits)
+                    tl.store(k_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], kbyte, mask=fm)
+                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
+                    tl.store(k_res_min + kpp, mne)
+                    tl.store(k_res_min + kpp + 1, mno)
+                    tl.store(k_res_scale + kpp, sce)
+                    tl.store(k_res_scale + kpp + 1, sco)
+                # V: one group per row over these G channels
+                x = tl.where(mc, tl.load(xv_rows + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
+                             tl.load(v_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
+                xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
+                if not BASE:
+                    re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
+                                       D, G, G, PRED, g)
+                    xe = xe - re_
+                    xo = xo - ro_
+                vmn, vsc = _params(tl.minimum(tl.min(xe, 1), tl.min(xo, 1)), tl.maximum(tl.max(xe, 1), tl.max(xo, 1)))
+                vbyte = (_codes(xe, vmn[:, None], vsc[:, None]) | (_codes(xo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                if BASE:
+                    tl.store(v_base + (bh * S + p)[:, None] * HD + i[None, :], vbyte)
+                    tl.store(v_base_min + (bh * S + p) * NG + g, vmn)
+                    tl.store(v_base_scale + (bh * S + p) * NG + g, vsc)
+                else:
+                    tl.store(v_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], vbyte, mask=fm)
+                    tl.store(v_res_min + (bh * CAPT + grow) * NG + g, vmn, mask=fits)
+                    tl.store(v_res_scale + (bh * CAPT + grow) * NG + g, vsc, mask=fits)
         row += n_act
         s += G
     if not COUNT:
@@ -276,7 +288,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
     )
-    meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, RP=max(1, depth), ONE_TOKEN=one_token)
+    meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
         wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, **meta, num_warps=2)
     wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, **meta, num_warps=8)
