@@ -14,7 +14,7 @@ row of packed codes is loaded once as [*, D/2] bytes and never interleaved in re
 
 Quantization matches :mod:`flashloop_compile.reference.codec` bit for bit: FP32 min/max,
 scale = fp16((max - min) / 15) with a correctly rounded division (``div_rn``), codes =
-clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (see _code_bytes),
+clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (round-half-even by the 1.5 * 2^23 add),
 constant groups scale 0 / codes 0; decode min + scale * code in FP32 (scale * code is exact, so
 an FMA contraction cannot change it). Compute-dtype outputs are rounded to nearest even
 explicitly (the interpreter truncates float32 -> bfloat16).
@@ -67,59 +67,20 @@ def _round_to(x, CD: tl.constexpr):
         return x
 
 
-# Rounding to an integer by adding and subtracting 1.5 * 2^23: for |q| < 2^22 the sum lies in
-# [2^23, 2^24), where FP32 steps by 1, so the add rounds q to the nearest integer, ties to even
-# (the constant is even); a larger |q| lands outside [0, 15] either way and the clamp decides.
-_MAGIC = tl.constexpr(12582912.0)
-# The codes divide by the scale through its correctly rounded reciprocal: q = RN(a * RN(1 / s))
-# lies within 2^-23 |a / s| + 2^-24 |a / s| < 2^-18 of the reference's RN(a / s) for |a / s| < 16.5
-# (two relative half-ulps, and the quotient's own). Both then round to the same integer unless a
-# half-integer lies within that distance: a quotient within _NEAR (2^-17, twice the bound) of one
-# is divided exactly (a tile-wide branch, taken about once per 30 tiles of 2048 codes).
-_NEAR = tl.constexpr(2.0**-17)
-
-
 @triton.jit
-def _rcp(sc):
-    """FP32 RN(1 / scale) of fp16 scales (1 where the scale is 0: those codes are 0)."""
+def _codes(x, mn, sc):
+    """INT4 codes (int32) of x (fp32) against fp16 parameters (broadcastable)."""
+    m32 = mn.to(tl.float32)
     s32 = sc.to(tl.float32)
-    return tl.math.div_rn(tl.full(s32.shape, 1.0, tl.float32), tl.where(s32 > 0.0, s32, 1.0))
-
-
-@triton.jit
-def _quotient(x, mn, rcp):
-    """round_half_even(RN((x - mn) * rcp)) as FP32, and where it may differ from the exact
-    quotient's rounding (within _NEAR of a half-integer, inside the codes' range)."""
-    q = (x - mn.to(tl.float32)) * rcp
-    r = (q + _MAGIC) - _MAGIC
-    near = (tl.abs(tl.abs(q - r) - 0.5) < _NEAR) & (q > -1.0) & (q < 16.5)
-    return r, near
-
-
-@triton.jit
-def _exact_round(x, mn, sc):
-    """round_half_even(RN((x - mn) / sc)) as FP32 (the reference's division; 0 where sc is 0)."""
-    s32 = sc.to(tl.float32)
-    q = tl.math.div_rn(x - mn.to(tl.float32), tl.where(s32 > 0.0, s32, 1.0))
-    return (q + _MAGIC) - _MAGIC
-
-
-@triton.jit
-def _clamp_codes(r, sc):
-    return tl.where(sc.to(tl.float32) > 0.0, tl.minimum(tl.maximum(r, 0.0), 15.0), 0.0).to(tl.int32)
-
-
-@triton.jit
-def _code_bytes(xe, xo, mne, sce, mno, sco):
-    """Packed INT4 bytes (even channel's code in the low nibble) of FP32 xe / xo against fp16
-    parameters broadcastable to them: clamp(round_half_even(RN((x - mn) / sc)), 0, 15), 0 where
-    the scale is 0, equal to the reference's codes (see _NEAR)."""
-    re_, ne = _quotient(xe, mne, _rcp(sce))
-    ro_, no = _quotient(xo, mno, _rcp(sco))
-    if tl.max(tl.max((ne | no).to(tl.int32), 1), 0) > 0:
-        re_ = tl.where(ne, _exact_round(xe, mne, sce), re_)
-        ro_ = tl.where(no, _exact_round(xo, mno, sco), ro_)
-    return (_clamp_codes(re_, sce) | (_clamp_codes(ro_, sco) << 4)).to(tl.uint8)
+    pos = s32 > 0.0
+    safe = tl.where(pos, s32, 1.0)
+    q = tl.math.div_rn(x - m32, safe)
+    # round half to even by the 1.5 * 2^23 add: for |q| < 2^22 the sum lies in [2^23, 2^24),
+    # where FP32 steps by 1, so the add rounds q to the nearest integer, ties to even (the
+    # constant is even); a larger |q| lands outside [0, 15] either way and the clamp decides
+    r = (q + 12582912.0) - 12582912.0
+    r = tl.minimum(tl.maximum(r, 0.0), 15.0)
+    return tl.where(pos, r, 0.0).to(tl.int32)
 
 
 @triton.jit

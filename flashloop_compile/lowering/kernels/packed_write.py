@@ -19,13 +19,10 @@ import triton
 import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
-from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _bulk_k, _bulk_v, _code_bytes, _geometry, _params, _row_bases
+from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _bulk_k, _bulk_v, _codes, _geometry, _params, _row_bases
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_kv_write"]
-
-# The flush's parts: K over KC channels, V over VR rows, WARPS warps each (see _write_flush_kernel)
-KC, VR, WARPS = 16, 16, 4
 
 
 @triton.jit(do_not_specialize=["depth_arg"])
@@ -38,20 +35,14 @@ def _write_flush_kernel(
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, NBP: tl.constexpr,
     BASE: tl.constexpr, COUNT: tl.constexpr, PRED: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False,
-    KC: tl.constexpr = 16, VR: tl.constexpr = 16,
 ):
-    """One program per (b, h, range of the row's groups to flush, part). BASE: depth 0 (a
-    separate compilation). PRED: depth - 1 at depth > 0, the predecessor whose reconstruction the
+    """One program per (b, h, range of the row's groups to flush). BASE: depth 0 (a separate
+    compilation). PRED: depth - 1 at depth > 0, the predecessor whose reconstruction the
     residuals are taken against (its residuals 1..PRED unroll: one compilation per depth).
     COUNT: grid (B, 1, NCH), store each group's count of residual rows in counts[b, group] and
     nothing else (the flush's ranges at depth > 0 start at the sum of the counts before them).
-
-    Parts: a K group is one channel over the block's rows and a V group one row over G channels,
-    so K splits by channels and V by rows: D / KC parts quantize KC channels of K over the G rows
-    ([G, KC] tiles) and (G / VR) * (D / G) parts VR rows of V over one group of G channels ([VR,
-    G]). Small tiles keep a program's registers low, so that many fit an SM and hide each
-    other's load latency. A tile is handled as its even/odd channel halves: pair i's two codes
-    make byte i with no shuffle."""
+    A group is handled G channels at a time (one V group), as even/odd halves [G, G/2], K then
+    V, so that one tile's rows, reconstruction and codes are live at a time."""
     if BASE:
         depth = 0
     else:
@@ -90,15 +81,7 @@ def _write_flush_kernel(
     first = tl.load(positions + b * sp_b, mask=Tn > 0, other=-1)
     # NCH programs per (b, h) split the row's groups into contiguous ranges
     n_groups = (T_new - F + G - 1) // G  # F, T_new: multiples of G (max_seq is one)
-    NK: tl.constexpr = D // KC
-    NV: tl.constexpr = G // VR
-    NPART: tl.constexpr = NK + NV * NG
-    if COUNT:
-        c = tl.program_id(2)
-        part = 0
-    else:
-        c = tl.program_id(2) // NPART
-        part = tl.program_id(2) % NPART
+    c = tl.program_id(2)
     g_start = F + (c * n_groups) // NCH * G  # this program's range: g_start .. s_end
     s_end = F + ((c + 1) * n_groups) // NCH * G
     # Residual rows are allocated in position order: a range starts at the count of the rows the
@@ -149,34 +132,41 @@ def _write_flush_kernel(
             local = row + tl.cumsum(act.to(tl.int32), 0) - 1
             fits = act & (local < cap)
             if not BASE:
-                tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0) & (part == 0))
-                tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap) & (part == 0))
+                tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
+                tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
+            grow = tl.where(fits, off + local, 0).to(tl.int64)
+            mc = (in_call & act)[:, None]
+            mr = ((in_call == 0) & act)[:, None]
+            am = act[:, None]
+            fm = fits[:, None]
+            xk_rows = k + (b * sk_b + h * sk_h + idx * sk_t)[:, None]
+            xv_rows = v + (b * sv_b + h * sv_h + idx * sv_t)[:, None]
+            ring = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D
             if not BASE:
                 kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
                     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
                     bh, S, NB, CAPT, D, G)
-            if part < NK:
-                # K, channels part*KC .. part*KC + KC - 1 over the block's active rows
-                ch = part * KC + tl.arange(0, KC)
-                i = part * (KC // 2) + tl.arange(0, KC // 2)
-                mc = (in_call & act)[:, None]
-                mr = ((in_call == 0) & act)[:, None]
-                am = act[:, None]
-                ring = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D
-                x = tl.where(mc, tl.load(k + (b * sk_b + h * sk_h + idx * sk_t)[:, None] + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
+            for g in tl.static_range(NG):
+                # channels g*G .. g*G + G - 1 of the block's rows (whole rows of k/v or the ring,
+                # loaded contiguously) as even/odd halves [G, G/2]: pair i's two codes make byte i.
+                # One V group per row exactly; K groups are per channel.
+                ch = g * G + tl.arange(0, G)
+                i = g * HG + tl.arange(0, HG)
+                # K: one group per channel over the block's active rows
+                x = tl.where(mc, tl.load(xk_rows + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
                              tl.load(k_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
-                xe, xo = tl.split(tl.reshape(x, [G, KC // 2, 2]))
+                xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
                 if not BASE:
                     # the predecessor (depth - 1): every active row lies below flushed[d-1] (the
                     # flush's target), where base + residuals 1..d-1 are present exactly where the
                     # rows maps say, read as the bulk readers do (no ring, no per-token resolution)
                     re_, ro_ = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
-                                       (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, part * (KC // 2), KC // 2)
+                                       (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
                     xe = xe - re_
                     xo = xo - ro_
                 mne, sce = _params(tl.min(tl.where(am, xe, float("inf")), 0), tl.max(tl.where(am, xe, float("-inf")), 0))
                 mno, sco = _params(tl.min(tl.where(am, xo, float("inf")), 0), tl.max(tl.where(am, xo, float("-inf")), 0))
-                kbyte = _code_bytes(xe, xo, mne[None, :], sce[None, :], mno[None, :], sco[None, :])
+                kbyte = (_codes(xe, mne[None, :], sce[None, :]) | (_codes(xo, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
                 if BASE:
                     tl.store(k_base + (bh * S + p)[:, None] * HD + i[None, :], kbyte)
                     kpp = (bh * NB + blk) * D + 2 * i
@@ -185,56 +175,35 @@ def _write_flush_kernel(
                     tl.store(k_base_scale + kpp, sce)
                     tl.store(k_base_scale + kpp + 1, sco)
                 else:
-                    fm = fits[:, None]
-                    grow = tl.where(fits, off + local, 0).to(tl.int64)
                     tl.store(k_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], kbyte, mask=fm)
                     kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
                     tl.store(k_res_min + kpp, mne)
                     tl.store(k_res_min + kpp + 1, mno)
                     tl.store(k_res_scale + kpp, sce)
                     tl.store(k_res_scale + kpp + 1, sco)
-            else:
-                # V, rows r0 .. r0 + VR - 1 of the block over group vg's G channels: the group's
-                # per-row values picked out of the [G] vectors above (a reduction over NV slices)
-                vg = (part - NK) // NV
-                r0 = ((part - NK) % NV) * VR
-                sel = (tl.arange(0, NV) == r0 // VR)[:, None]
-                pv = s.to(tl.int64) + r0 + tl.arange(0, VR)
-                idx_v = tl.sum(tl.where(sel, tl.reshape(idx, [NV, VR]), 0), 0)
-                call_v = tl.sum(tl.where(sel, tl.reshape(in_call.to(tl.int32), [NV, VR]), 0), 0) != 0
-                act_v = tl.sum(tl.where(sel, tl.reshape(act.to(tl.int32), [NV, VR]), 0), 0) != 0
-                local_v = tl.sum(tl.where(sel, tl.reshape(local, [NV, VR]), 0), 0)
-                fits_v = act_v & (local_v < cap)
-                mc_v = (call_v & act_v)[:, None]
-                mr_v = ((call_v == 0) & act_v)[:, None]
-                ring_v = (((b * R + depth) * H + h) * RING + pv % RING)[:, None] * D
-                for g in tl.static_range(NG):
-                    if vg == g:
-                        ch_v = g * G + tl.arange(0, G)
-                        i_v = g * HG + tl.arange(0, HG)
-                        x_v = tl.where(mc_v, tl.load(v + (b * sv_b + h * sv_h + idx_v * sv_t)[:, None] + ch_v[None, :] * sv_d, mask=mc_v, other=0.0).to(tl.float32),
-                                     tl.load(v_tail + ring_v + ch_v[None, :], mask=mr_v, other=0.0).to(tl.float32))
-                        xe_v, xo_v = tl.split(tl.reshape(x_v, [VR, HG, 2]))
-                        if not BASE:
-                            re_v, ro_v = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pv, b, B, S,
-                                               D, G, VR, PRED, g)
-                            xe_v = xe_v - re_v
-                            xo_v = xo_v - ro_v
-                        vmn_v, vsc_v = _params(tl.minimum(tl.min(xe_v, 1), tl.min(xo_v, 1)), tl.maximum(tl.max(xe_v, 1), tl.max(xo_v, 1)))
-                        vbyte_v = _code_bytes(xe_v, xo_v, vmn_v[:, None], vsc_v[:, None], vmn_v[:, None], vsc_v[:, None])
-                        if BASE:
-                            tl.store(v_base + (bh * S + pv)[:, None] * HD + i_v[None, :], vbyte_v)
-                            tl.store(v_base_min + (bh * S + pv) * NG + g, vmn_v)
-                            tl.store(v_base_scale + (bh * S + pv) * NG + g, vsc_v)
-                        else:
-                            grow_v = tl.where(fits_v, off + local_v, 0).to(tl.int64)
-                            tl.store(v_res + (bh * CAPT + grow_v)[:, None] * HD + i_v[None, :], vbyte_v, mask=fits_v[:, None])
-                            tl.store(v_res_min + (bh * CAPT + grow_v) * NG + g, vmn_v, mask=fits_v)
-                            tl.store(v_res_scale + (bh * CAPT + grow_v) * NG + g, vsc_v, mask=fits_v)
+                # V: one group per row over these G channels
+                x = tl.where(mc, tl.load(xv_rows + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
+                             tl.load(v_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
+                xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
+                if not BASE:
+                    re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
+                                       D, G, G, PRED, g)
+                    xe = xe - re_
+                    xo = xo - ro_
+                vmn, vsc = _params(tl.minimum(tl.min(xe, 1), tl.min(xo, 1)), tl.maximum(tl.max(xe, 1), tl.max(xo, 1)))
+                vbyte = (_codes(xe, vmn[:, None], vsc[:, None]) | (_codes(xo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                if BASE:
+                    tl.store(v_base + (bh * S + p)[:, None] * HD + i[None, :], vbyte)
+                    tl.store(v_base_min + (bh * S + p) * NG + g, vmn)
+                    tl.store(v_base_scale + (bh * S + p) * NG + g, vsc)
+                else:
+                    tl.store(v_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], vbyte, mask=fm)
+                    tl.store(v_res_min + (bh * CAPT + grow) * NG + g, vmn, mask=fits)
+                    tl.store(v_res_scale + (bh * CAPT + grow) * NG + g, vsc, mask=fits)
         row += n_act
         s += G
     if not COUNT:
-        if (h == 0) & (c == NCH - 1) & (part == 0):  # the last range's count is the row's total
+        if (h == 0) & (c == NCH - 1):  # the last range's count is the row's total
             tl.store(scratch + b * 2, T_new)
             tl.store(scratch + b * 2 + 1, row)
 
@@ -319,11 +288,10 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
     )
-    kc, vr = min(KC, D), min(VR, G)
-    meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token, KC=kc, VR=vr)
+    meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
         wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, **meta, num_warps=2)
-    wrap(_write_flush_kernel)[(Bc, H, chunks * (D // kc + (G // vr) * (D // G)))](*args, COUNT=False, **meta, num_warps=WARPS)
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, **meta, num_warps=8)
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
