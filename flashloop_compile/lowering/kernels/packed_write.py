@@ -2,9 +2,9 @@
 
 - ``_write_flush_kernel`` [B, H, ranges]: quantize the whole G-token blocks a write moves out of
   the tail window (base at depth 0, residuals against the reconstructed predecessor at depth >= 1;
-  one compilation per depth); values of earlier calls come from the ring, values of this call from k/v (at
-  p - first when the call's positions are consecutive, else found by binary search), whole rows
-  loaded contiguously. At depth > 0 a first launch of the same kernel (COUNT) stores each group's
+  one compilation per depth); values of earlier calls come from the ring, values of this call
+  from k/v (at p - first when the call's positions are consecutive, else found by binary search),
+  whole rows loaded contiguously. At depth > 0 a first launch of the same kernel (COUNT) stores each group's
   count of residual rows, and each range starts at the sum of the counts before it. Writes the
   position -> row map (h == 0) and the new counters to a scratch.
 - ``_write_tail_kernel`` [B, H, tiles of T]: the call's tokens past the new boundary go to the
