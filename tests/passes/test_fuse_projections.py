@@ -21,9 +21,9 @@ ALL_ON = {"token_sparse_prefill.enabled": True, "sparse_decode_attention.enabled
           "kv_residual_quantization.enabled": True, "token_sparse_prefill.window": 32}
 UNFUSED = {"compilation.fuse_projections": False}
 NO_ATTENTION_REWRITE = {"compilation.position_attention": False}
-# A fused GEMM adds its products in another order than the linears it replaces: FP32 logits of the
-# tiny model (|logit| up to 6.6 with weights x1.25, 4 loops x 2 layers) differ by up to ~3e-5 depending on the CPU's
-# GEMM blocking (measured 3.3e-5 on the 2-core CI machine). A wrong weight or slice moves them by >0.1.
+# A fused GEMM adds its products in another order than the linears it replaces: the tiny model's
+# FP32 logits (|logit| up to 6.6 with the weights x1.25) differ by up to ~3e-5 depending on the
+# CPU's GEMM blocking (3.3e-5 on the 2-core CI machine).
 FUSED_ORDER = {"rtol": 1e-4, "atol": 1e-4}
 
 
