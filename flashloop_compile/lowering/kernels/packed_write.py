@@ -35,6 +35,7 @@ def _write_flush_kernel(
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, NBP: tl.constexpr,
     BASE: tl.constexpr, COUNT: tl.constexpr, PRED: tl.constexpr = 0, ONE_TOKEN: tl.constexpr = False,
+    RT: tl.constexpr = 0,
 ):
     """One program per (b, h, range of the row's groups to flush). BASE: depth 0 (a separate
     compilation). PRED: depth - 1 at depth > 0, the predecessor whose reconstruction the
@@ -42,7 +43,11 @@ def _write_flush_kernel(
     COUNT: grid (B, 1, NCH), store each group's count of residual rows in counts[b, group] and
     nothing else (the flush's ranges at depth > 0 start at the sum of the counts before them).
     A group is handled G channels at a time (one V group), as even/odd halves [G, G/2], K then
-    V, so that one tile's rows, reconstruction and codes are live at a time."""
+    V, so that one tile's rows, reconstruction and codes are live at a time. RT > 0 (a residual
+    flush): only the group's active rows are worked on, compacted in position order into tiles
+    of RT rows (token-sparse prefill leaves a quarter or a tenth of a group active at depths
+    2-3); where they fill more than one tile, a first pass over the tiles takes each K channel's
+    extrema and a second writes the codes."""
     if BASE:
         depth = 0
     else:
@@ -129,77 +134,155 @@ def _write_flush_kernel(
         if COUNT:
             tl.store(counts + b * NBP + blk, n_act)
         elif n_act > 0:
-            local = row + tl.cumsum(act.to(tl.int32), 0) - 1
-            fits = act & (local < cap)
-            if not BASE:
+            if RT == 0:
+                local = row + tl.cumsum(act.to(tl.int32), 0) - 1
+                fits = act & (local < cap)
+                if not BASE:
+                    tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
+                    tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
+                grow = tl.where(fits, off + local, 0).to(tl.int64)
+                mc = (in_call & act)[:, None]
+                mr = ((in_call == 0) & act)[:, None]
+                am = act[:, None]
+                fm = fits[:, None]
+                xk_rows = k + (b * sk_b + h * sk_h + idx * sk_t)[:, None]
+                xv_rows = v + (b * sv_b + h * sv_h + idx * sv_t)[:, None]
+                ring = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D
+                if not BASE:
+                    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+                        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+                        bh, S, NB, CAPT, D, G)
+                for g in tl.static_range(NG):
+                    # channels g*G .. g*G + G - 1 of the block's rows (whole rows of k/v or the ring,
+                    # loaded contiguously) as even/odd halves [G, G/2]: pair i's two codes make byte i.
+                    # One V group per row exactly; K groups are per channel.
+                    ch = g * G + tl.arange(0, G)
+                    i = g * HG + tl.arange(0, HG)
+                    # K: one group per channel over the block's active rows
+                    x = tl.where(mc, tl.load(xk_rows + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
+                                 tl.load(k_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
+                    xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
+                    if not BASE:
+                        # the predecessor (depth - 1): every active row lies below flushed[d-1] (the
+                        # flush's target), where base + residuals 1..d-1 are present exactly where the
+                        # rows maps say, read as the bulk readers do (no ring, no per-token resolution)
+                        re_, ro_ = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
+                                           (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
+                        xe = xe - re_
+                        xo = xo - ro_
+                    mne, sce = _params(tl.min(tl.where(am, xe, float("inf")), 0), tl.max(tl.where(am, xe, float("-inf")), 0))
+                    mno, sco = _params(tl.min(tl.where(am, xo, float("inf")), 0), tl.max(tl.where(am, xo, float("-inf")), 0))
+                    kbyte = (_codes(xe, mne[None, :], sce[None, :]) | (_codes(xo, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
+                    if BASE:
+                        tl.store(k_base + (bh * S + p)[:, None] * HD + i[None, :], kbyte)
+                        kpp = (bh * NB + blk) * D + 2 * i
+                        tl.store(k_base_min + kpp, mne)
+                        tl.store(k_base_min + kpp + 1, mno)
+                        tl.store(k_base_scale + kpp, sce)
+                        tl.store(k_base_scale + kpp + 1, sco)
+                    else:
+                        tl.store(k_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], kbyte, mask=fm)
+                        kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
+                        tl.store(k_res_min + kpp, mne)
+                        tl.store(k_res_min + kpp + 1, mno)
+                        tl.store(k_res_scale + kpp, sce)
+                        tl.store(k_res_scale + kpp + 1, sco)
+                    # V: one group per row over these G channels
+                    x = tl.where(mc, tl.load(xv_rows + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
+                                 tl.load(v_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
+                    xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
+                    if not BASE:
+                        re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
+                                           D, G, G, PRED, g)
+                        xe = xe - re_
+                        xo = xo - ro_
+                    vmn, vsc = _params(tl.minimum(tl.min(xe, 1), tl.min(xo, 1)), tl.maximum(tl.max(xe, 1), tl.max(xo, 1)))
+                    vbyte = (_codes(xe, vmn[:, None], vsc[:, None]) | (_codes(xo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                    if BASE:
+                        tl.store(v_base + (bh * S + p)[:, None] * HD + i[None, :], vbyte)
+                        tl.store(v_base_min + (bh * S + p) * NG + g, vmn)
+                        tl.store(v_base_scale + (bh * S + p) * NG + g, vsc)
+                    else:
+                        tl.store(v_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], vbyte, mask=fm)
+                        tl.store(v_res_min + (bh * CAPT + grow) * NG + g, vmn, mask=fits)
+                        tl.store(v_res_scale + (bh * CAPT + grow) * NG + g, vsc, mask=fits)
+            else:
+                # the active rows in position order: rank r goes to tile r // RT, slot r % RT,
+                # compact row row + r. A tile's slots find their rows by matching ranks (an
+                # [RT, G] comparison), so the tile loads and reconstructs only active rows
+                rank = tl.cumsum(act.to(tl.int32), 0) - 1
+                local = row + rank
+                fits = act & (local < cap)
                 tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
                 tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
-            grow = tl.where(fits, off + local, 0).to(tl.int64)
-            mc = (in_call & act)[:, None]
-            mr = ((in_call == 0) & act)[:, None]
-            am = act[:, None]
-            fm = fits[:, None]
-            xk_rows = k + (b * sk_b + h * sk_h + idx * sk_t)[:, None]
-            xv_rows = v + (b * sv_b + h * sv_h + idx * sv_t)[:, None]
-            ring = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D
-            if not BASE:
                 kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
                     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
                     bh, S, NB, CAPT, D, G)
-            for g in tl.static_range(NG):
-                # channels g*G .. g*G + G - 1 of the block's rows (whole rows of k/v or the ring,
-                # loaded contiguously) as even/odd halves [G, G/2]: pair i's two codes make byte i.
-                # One V group per row exactly; K groups are per channel.
-                ch = g * G + tl.arange(0, G)
-                i = g * HG + tl.arange(0, HG)
-                # K: one group per channel over the block's active rows
-                x = tl.where(mc, tl.load(xk_rows + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
-                             tl.load(k_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
-                xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
-                if not BASE:
-                    # the predecessor (depth - 1): every active row lies below flushed[d-1] (the
-                    # flush's target), where base + residuals 1..d-1 are present exactly where the
-                    # rows maps say, read as the bulk readers do (no ring, no per-token resolution)
-                    re_, ro_ = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
-                                       (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
-                    xe = xe - re_
-                    xo = xo - ro_
-                mne, sce = _params(tl.min(tl.where(am, xe, float("inf")), 0), tl.max(tl.where(am, xe, float("-inf")), 0))
-                mno, sco = _params(tl.min(tl.where(am, xo, float("inf")), 0), tl.max(tl.where(am, xo, float("-inf")), 0))
-                kbyte = (_codes(xe, mne[None, :], sce[None, :]) | (_codes(xo, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
-                if BASE:
-                    tl.store(k_base + (bh * S + p)[:, None] * HD + i[None, :], kbyte)
-                    kpp = (bh * NB + blk) * D + 2 * i
-                    tl.store(k_base_min + kpp, mne)
-                    tl.store(k_base_min + kpp + 1, mno)
-                    tl.store(k_base_scale + kpp, sce)
-                    tl.store(k_base_scale + kpp + 1, sco)
-                else:
-                    tl.store(k_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], kbyte, mask=fm)
-                    kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
-                    tl.store(k_res_min + kpp, mne)
-                    tl.store(k_res_min + kpp + 1, mno)
-                    tl.store(k_res_scale + kpp, sce)
-                    tl.store(k_res_scale + kpp + 1, sco)
-                # V: one group per row over these G channels
-                x = tl.where(mc, tl.load(xv_rows + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
-                             tl.load(v_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
-                xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
-                if not BASE:
-                    re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
-                                       D, G, G, PRED, g)
-                    xe = xe - re_
-                    xo = xo - ro_
-                vmn, vsc = _params(tl.minimum(tl.min(xe, 1), tl.min(xo, 1)), tl.maximum(tl.max(xe, 1), tl.max(xo, 1)))
-                vbyte = (_codes(xe, vmn[:, None], vsc[:, None]) | (_codes(xo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
-                if BASE:
-                    tl.store(v_base + (bh * S + p)[:, None] * HD + i[None, :], vbyte)
-                    tl.store(v_base_min + (bh * S + p) * NG + g, vmn)
-                    tl.store(v_base_scale + (bh * S + p) * NG + g, vsc)
-                else:
-                    tl.store(v_res + (bh * CAPT + grow)[:, None] * HD + i[None, :], vbyte, mask=fm)
-                    tl.store(v_res_min + (bh * CAPT + grow) * NG + g, vmn, mask=fits)
-                    tl.store(v_res_scale + (bh * CAPT + grow) * NG + g, vsc, mask=fits)
+                n_tiles = (n_act + RT - 1) // RT
+                n_first = tl.where(n_tiles > 1, n_tiles, 0)  # the extrema pass, where one tile does not hold them
+                rk = tl.where(act, rank, -1)[None, :]
+                gi = tl.arange(0, G)[None, :]
+                ci = in_call.to(tl.int32)[None, :]
+                xi = idx.to(tl.int32)[None, :]
+                for g in tl.static_range(NG):
+                    ch = g * G + tl.arange(0, G)
+                    i = g * HG + tl.arange(0, HG)
+                    lo_e = tl.full([HG], float("inf"), tl.float32)
+                    hi_e = tl.full([HG], float("-inf"), tl.float32)
+                    lo_o = lo_e
+                    hi_o = hi_e
+                    it = 0
+                    while it < n_first + n_tiles:
+                        first_pass = it < n_first
+                        t = tl.where(first_pass, it, it - n_first) * RT + tl.arange(0, RT)
+                        hit = rk == t[:, None]
+                        ok = t < n_act
+                        r = tl.sum(tl.where(hit, gi, 0), 1)
+                        inc = ok & (tl.sum(tl.where(hit, ci, 0), 1) > 0)
+                        ring_ok = ok & (inc == 0)
+                        ix = tl.sum(tl.where(hit, xi, 0), 1).to(tl.int64)
+                        ps = s.to(tl.int64) + r.to(tl.int64)
+                        xr = (b * sk_b + h * sk_h + ix * sk_t)[:, None]
+                        ring = (((b * R + depth) * H + h) * RING + ps % RING)[:, None] * D
+                        x = tl.where(inc[:, None], tl.load(k + xr + ch[None, :] * sk_d, mask=inc[:, None], other=0.0).to(tl.float32),
+                                     tl.load(k_tail + ring + ch[None, :], mask=ring_ok[:, None], other=0.0).to(tl.float32))
+                        xe, xo = tl.split(tl.reshape(x, [RT, HG, 2]))
+                        re_, ro_ = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, ps,
+                                           (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
+                        xe = xe - re_
+                        xo = xo - ro_
+                        om = ok[:, None]
+                        lo_e = tl.minimum(lo_e, tl.min(tl.where(om, xe, float("inf")), 0))
+                        hi_e = tl.maximum(hi_e, tl.max(tl.where(om, xe, float("-inf")), 0))
+                        lo_o = tl.minimum(lo_o, tl.min(tl.where(om, xo, float("inf")), 0))
+                        hi_o = tl.maximum(hi_o, tl.max(tl.where(om, xo, float("-inf")), 0))
+                        if not first_pass:
+                            lt = row + t
+                            ft = ok & (lt < cap)
+                            gt = tl.where(ft, off + lt, 0).to(tl.int64)
+                            mne, sce = _params(lo_e, hi_e)
+                            mno, sco = _params(lo_o, hi_o)
+                            kbyte = (_codes(xe, mne[None, :], sce[None, :]) | (_codes(xo, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
+                            tl.store(k_res + (bh * CAPT + gt)[:, None] * HD + i[None, :], kbyte, mask=ft[:, None])
+                            kpp = ((((depth - 1) * B + b) * H + h) * NB + blk) * D + 2 * i
+                            tl.store(k_res_min + kpp, mne)
+                            tl.store(k_res_min + kpp + 1, mno)
+                            tl.store(k_res_scale + kpp, sce)
+                            tl.store(k_res_scale + kpp + 1, sco)
+                            xr = (b * sv_b + h * sv_h + ix * sv_t)[:, None]
+                            x = tl.where(inc[:, None], tl.load(v + xr + ch[None, :] * sv_d, mask=inc[:, None], other=0.0).to(tl.float32),
+                                         tl.load(v_tail + ring + ch[None, :], mask=ring_ok[:, None], other=0.0).to(tl.float32))
+                            ve, vo = tl.split(tl.reshape(x, [RT, HG, 2]))
+                            re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, ps, b, B,
+                                               S, D, G, RT, PRED, g)
+                            ve = ve - re_
+                            vo = vo - ro_
+                            vmn, vsc = _params(tl.minimum(tl.min(ve, 1), tl.min(vo, 1)), tl.maximum(tl.max(ve, 1), tl.max(vo, 1)))
+                            vbyte = (_codes(ve, vmn[:, None], vsc[:, None]) | (_codes(vo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                            tl.store(v_res + (bh * CAPT + gt)[:, None] * HD + i[None, :], vbyte, mask=ft[:, None])
+                            tl.store(v_res_min + (bh * CAPT + gt) * NG + g, vmn, mask=ft)
+                            tl.store(v_res_scale + (bh * CAPT + gt) * NG + g, vsc, mask=ft)
+                        it += 1
         row += n_act
         s += G
     if not COUNT:
@@ -247,13 +330,21 @@ def _write_tail_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None) -> None:
+# Rows per tile of a residual flush's active rows (_write_flush_kernel's RT) at depths >= 2, where
+# token-sparse prefill keeps a quarter and a tenth of each group's rows; 0 (the whole group) at
+# depth 1, which keeps every row.
+ACTIVE_ROWS_TILE = 16
+
+
+def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None,
+                           rows_tile: int | None = None) -> None:
     """Write depth ``depth`` of tokens k/v [B, H, T, D] at positions [B, T] (see packed_ops).
 
     Flush programs per (batch, head): one per group a write of T tokens can move out of the tail
     window (fewer than T / G + 1 at depth 0, which the later depths follow; the ring keeps under
     2G unflushed positions), each a contiguous range of the groups; one for a decode token.
-    ``chunks`` overrides that count (tests: ranges of several groups)."""
+    ``chunks`` overrides that count (tests: ranges of several groups); ``rows_tile`` the active
+    rows' tile at depth >= 1 (0: whole groups; default ACTIVE_ROWS_TILE at depth >= 2)."""
     c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, _, Tn, _ = k.shape
@@ -288,10 +379,13 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
     )
+    rt = 0 if base else (min(ACTIVE_ROWS_TILE, G) if depth >= 2 else 0) if rows_tile is None else int(rows_tile)
+    if rt and (rt & (rt - 1) or rt > G):
+        raise ValueError(f"rows_tile must be 0 or a power of two up to the group ({G}), got {rt}")
     meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
-        wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, **meta, num_warps=2)
-    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, **meta, num_warps=8)
+        wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, RT=0, **meta, num_warps=2)
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=4 if rt else 8)
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
