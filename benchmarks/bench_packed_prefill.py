@@ -13,6 +13,14 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
   every site: the in-flight keys go through its even/odd-half tile loop);
 - ``packed_kv_write d0`` / ``d1``: the packed write of all T tokens at depth 0 (INT4 base) and
   depth 1 (residuals); its flush kernel walks the groups of a row in one program per (b, h).
+- ``write d<n> only``: one depth's write alone, from the state the lower depths left (restored
+  before each call, untimed): depths 0-1 of every token, depths 2-3 of token-sparse prefill's
+  nested random quarter and tenth; with its byte floor (the BF16 rows read, the predecessor's
+  codes and parameters read, the codes written: (2 + 0.5625 (1 + d)) bytes per element) and the
+  share of it reached at the copy bandwidth measured in the same run. ``--write-against FILE``
+  times another packed_write.py (e.g. ``git show REV:flashloop_compile/lowering/kernels/
+  packed_write.py > /tmp/old_write.py``) on the same states and checks its caches bit for bit
+  against the current kernel's.
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_attention.py
 PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop) and the packed
@@ -35,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cuda_times, device, environment  # noqa: E402
+from common import copy_bandwidth_gbs, cuda_times, device, environment  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P  # noqa: E402
 from flashloop_compile.lowering.prefill_ops import position_attention  # noqa: E402
@@ -50,6 +58,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--write-against", type=Path, default=None,
+                    help="another packed_write.py: its launcher timed on the same states (caches must be bit-equal)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time packed_attention over prefill launch parameters (block_m, block_n_inflight, num_warps)")
     args = ap.parse_args()
@@ -59,6 +69,17 @@ def main() -> None:
         args.tokens, args.heads, args.head_dim, args.repeats = [128], 2, 64, 2
     H, D, dt = args.heads, args.head_dim, torch.bfloat16 if cuda else torch.float32
     rows = []
+    other = None
+    if args.write_against is not None:
+        import importlib.util
+
+        if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--write-against runs Triton launchers: on a machine without CUDA set TRITON_INTERPRET=1")
+
+        spec = importlib.util.spec_from_file_location("write_against", args.write_against)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+    bandwidth = copy_bandwidth_gbs() * 1e9 if cuda else float("nan")
     for T in args.tokens:
         g = torch.Generator(device=dev).manual_seed(0)
         q, k, v = (torch.randn(1, H, T, D, device=dev, dtype=dt, generator=g) for _ in range(3))
@@ -70,7 +91,7 @@ def main() -> None:
             return torch.ops.flashloop.packed_attention(q, k, v, pos, pos, 0, *cache.op_tensors(0), scale)
 
         def launched(tuning):
-            from flashloop_compile.lowering.kernels import packed_attention as PA, packed_write as PW
+            from flashloop_compile.lowering.kernels import packed_attention as PA
 
             def run():
                 out = torch.empty_like(q)
@@ -79,7 +100,7 @@ def main() -> None:
             return run
 
         def write(depth, chunks=None):
-            from flashloop_compile.lowering.kernels import packed_attention as PA, packed_write as PW
+            from flashloop_compile.lowering.kernels import packed_write as PW
 
             def run():
                 cache.reset()
@@ -90,6 +111,31 @@ def main() -> None:
                         PW.launch_packed_kv_write(cache.op_tensors(0), k, v, pos, d, chunks=chunks)
             return run
 
+        # one depth's write alone, from the state the lower depths leave (nested token-sparse subsets)
+        u = torch.rand(1, T, device=dev, generator=g)
+        calls = [pos, pos, pos[u < 0.25][None].contiguous(), pos[u < 0.10][None].contiguous()]
+        writes, floors = {}, {}
+        cache.reset()
+        for d, p in enumerate(calls):
+            n = p.shape[1]
+            kd, vd = (k[:, :, :n] + d).contiguous(), (v[:, :, :n] - d).contiguous()
+            saved = [t.clone() for t in cache.op_tensors(0)]
+            restore = (lambda saved=saved: [t.copy_(x) for t, x in zip(cache.op_tensors(0), saved)])
+            impls = {"": lambda kd=kd, vd=vd, p=p, d=d: P.packed_kv_write(cache, 0, kd, vd, p, d)}
+            if other is not None:
+                impls[" (against)"] = lambda kd=kd, vd=vd, p=p, d=d: other.launch_packed_kv_write(cache.op_tensors(0), kd, vd, p, d)
+            results = {}
+            for tag, fn in impls.items():
+                name = f"write d{d} only{tag}"
+                writes[name] = (fn, restore)
+                floors[name] = n * H * D * 2 * (2 + 0.5625 * (1 + d)) / bandwidth * 1e3
+                restore()
+                writes[name][0]()
+                results[tag] = [t.clone() for t in cache.op_tensors(0)]
+            if other is not None and not all(torch.equal(a, b) for a, b in zip(results[""], results[" (against)"])):
+                raise SystemExit(f"self-check failed at T={T}: the write against {args.write_against} differs at depth {d}")
+            restore()
+            writes[f"write d{d} only"][0]()  # the next depth starts from this one
         ops = {
             "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
             "position_attention": lambda: position_attention(q, k, v, pos, scale),
@@ -118,12 +164,16 @@ def main() -> None:
             if "attention" in name or name.startswith(("sdpa", "packed bm")):
                 row["tflops"] = flops / (ms * 1e-3) / 1e12
             rows.append(row)
+        for name, (fn, restore) in writes.items():
+            ms = statistics.median(cuda_times(fn, warmup=2, repeat=args.repeats, before=restore))
+            rows.append({"tokens": T, "op": name, "ms": ms, "floor_ms": floors[name], "floor_share": floors[name] / ms})
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "packed_prefill.json").write_text(json.dumps({"env": environment(), "rows": rows}, indent=1))
-    print(f"{'T':>6} {'op':<30} {'ms':>9} {'TFLOP/s':>8}")
+    print(f"{'T':>6} {'op':<30} {'ms':>9} {'TFLOP/s':>8} {'floor ms':>9} {'share':>6}")
     for r in rows:
-        print(f"{r['tokens']:>6} {r['op']:<30} {r['ms']:>9.3f} {r.get('tflops', float('nan')):>8.1f}")
+        print(f"{r['tokens']:>6} {r['op']:<30} {r['ms']:>9.3f} {r.get('tflops', float('nan')):>8.1f} "
+              f"{r.get('floor_ms', float('nan')):>9.3f} {r.get('floor_share', float('nan')):>6.1%}")
 
 
 if __name__ == "__main__":
