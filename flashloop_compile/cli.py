@@ -692,7 +692,8 @@ def _quality_model(args: argparse.Namespace):
 def _quality_corpus(args: argparse.Namespace):
     from flashloop_compile.quality.corpus import Corpus
 
-    kw = {"heldout_percent": args.heldout_percent, "valid_percent": getattr(args, "valid_percent", 3)}
+    kw = {"heldout_percent": args.heldout_percent, "valid_percent": getattr(args, "valid_percent", 3),
+          "packages": tuple(getattr(args, "packages", None) or ())}
     return Corpus(root=args.corpus_root, **kw) if args.corpus_root else Corpus(**kw)
 
 
@@ -730,6 +731,8 @@ def _train_command(args: argparse.Namespace) -> str:
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             parts.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            parts += [flag, *map(str, value)]
         else:
             parts += [flag, str(value)]
     return " ".join(shlex.quote(p) for p in parts)
@@ -745,6 +748,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         seconds=args.seconds, max_steps=args.max_steps, log_every=args.log_every, eval_every=args.eval_every,
         seed=args.seed, heldout_percent=args.heldout_percent, compile=args.compile, device=_quality_device(args.device),
         corpus_max_docs=args.max_docs, corpus_max_doc_bytes=args.max_doc_bytes,
+        corpus_packages=tuple(args.packages or ()), retrieval_fraction=args.retrieval_fraction,
+        retrieval_pairs=args.retrieval_pairs,
     )
     train(cfg, args.out, corpus=_quality_corpus(args), command=_train_command(args),
           log=lambda m: print(m, flush=True))
@@ -849,6 +854,11 @@ def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--max-docs", type=int, default=None, help="use only the first N train documents (tests)")
     t.add_argument("--max-doc-bytes", type=int, default=None, help="truncate every document (tests)")
+    t.add_argument("--packages", nargs="*", default=None,
+                   help="installed packages whose Python sources join the stdlib corpus (e.g. torch triton sympy)")
+    t.add_argument("--retrieval-fraction", type=float, default=0.0,
+                   help="share of the training bytes that are synthetic needle documents (key-value lines, asked again)")
+    t.add_argument("--retrieval-pairs", type=int, default=4, help="needles per synthetic retrieval document")
     corpus(t)
     t.set_defaults(func=cmd_train)
 
@@ -858,6 +868,8 @@ def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
     e.add_argument("--configs", nargs="+", default=["default"],
                    help="set names (default, combos, sweep, full), names like all-on@retention=0.5/0.25@keep_last, or .json files")
     e.add_argument("--docs", type=int, default=16, help="held-out documents per context length")
+    e.add_argument("--packages", nargs="*", default=None,
+                   help="installed packages whose held-out Python files join the stdlib's (as the model was trained)")
     e.add_argument("--contexts", default="1024,2048", help="context lengths (tokens), comma-separated")
     e.add_argument("--continuation", type=int, default=32, help="scored tokens after each context (<= 64 keeps one decode call exact)")
     e.add_argument("--retrieval-context", type=int, default=1024)

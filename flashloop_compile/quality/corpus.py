@@ -14,6 +14,15 @@ so the split depends on the path alone, never on file contents, order or the Pyt
 files are never trained on, on any machine: the GPU image's stdlib (Ubuntu, no ``test/``) is
 about a third of a full one, but its held-out files are held out everywhere.
 
+``Corpus(packages=("torch", "triton", ...))`` adds the ``*.py`` files of installed packages
+(found by ``importlib``, never imported), named ``packages/<package>/<path in the package>`` and
+split by the same rule on that name.
+
+Synthetic retrieval documents (:func:`retrieval_document`) teach the needle task the evaluation
+asks (evaluate.py): lines ``{key} = "{value}"`` at random line boundaries of a filler text, then
+every key asked again, answer included. Keys and values come from :func:`needle_line`'s alphabet,
+the format the evaluation's prompts use.
+
 Tokenizer: bytes. Ids 0..255 are the bytes, then BOS = 256, EOS = 257, PAD = 258; checkpoints
 trained here use ``VOCAB_SIZE = 264`` (259 rounded up to a multiple of 8). A model with a
 vocabulary of 256 (the ``tiny`` preset) gets a tokenizer without special tokens.
@@ -22,7 +31,9 @@ vocabulary of 256 (the ``tiny`` preset) gets a tokenizer without special tokens.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import random
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +56,13 @@ __all__ = [
     "token_stream",
     "pack_sequences",
     "unigram_bits_per_byte",
+    "PACKAGE_PREFIX",
+    "package_root",
+    "KEY_CHARS",
+    "random_needle",
+    "needle_line",
+    "query_prefix",
+    "retrieval_document",
 ]
 
 BOS, EOS, PAD = 256, 257, 258
@@ -109,6 +127,19 @@ def list_documents(root: str | Path | None = None) -> list[str]:
     return sorted(out)
 
 
+PACKAGE_PREFIX = "packages/"
+
+
+def package_root(name: str) -> Path:
+    """The source directory of the installed package ``name`` (located, not imported)."""
+    spec = importlib.util.find_spec(name) if name and "." not in name and "/" not in name else None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise FileNotFoundError(f"corpus package {name!r} is not an installed package here: name a top-level package "
+                                "that `python3 -c 'import NAME'` finds (e.g. torch, triton, sympy)")
+    return Path(locations[0])
+
+
 def _path_hash(relpath: str) -> int:
     return int(hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:8], 16)
 
@@ -134,12 +165,17 @@ class Corpus:
     heldout_percent: int = 5
     valid_percent: int = 3
     max_doc_bytes: int | None = None
+    packages: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         if not (0 < self.heldout_percent and 0 <= self.valid_percent and self.heldout_percent + self.valid_percent < 100):
             raise ValueError(f"need 0 < heldout_percent, 0 <= valid_percent, sum < 100; got {self.heldout_percent}, {self.valid_percent}")
+        self.packages = tuple(self.packages)
+        self.package_roots = {name: package_root(name) for name in self.packages}
         docs = list_documents(self.root)
+        for name, root in self.package_roots.items():
+            docs += [f"{PACKAGE_PREFIX}{name}/{p}" for p in list_documents(root)]
         splits = {p: split_of(p, self.heldout_percent, self.valid_percent) for p in docs}
         self.train_paths = [p for p in docs if splits[p] == "train"]
         self.valid_paths = [p for p in docs if splits[p] == "valid"]
@@ -155,7 +191,11 @@ class Corpus:
         raise ValueError(f"split must be 'train', 'valid' or 'heldout', got {split!r}")
 
     def read(self, relpath: str) -> bytes:
-        data = (self.root / relpath).read_bytes()
+        if relpath.startswith(PACKAGE_PREFIX):
+            name, _, rest = relpath[len(PACKAGE_PREFIX):].partition("/")
+            data = (self.package_roots[name] / rest).read_bytes()
+        else:
+            data = (self.root / relpath).read_bytes()
         return data if self.max_doc_bytes is None else data[: self.max_doc_bytes]
 
     def documents(self, split: str) -> list[bytes]:
@@ -220,3 +260,52 @@ def unigram_bits_per_byte(train_docs: Sequence[bytes], eval_docs: Sequence[bytes
     train, held = histogram(train_docs), histogram(eval_docs)
     p = (train + 1.0) / (train.sum() + 256.0)
     return float(-(held * torch.log2(p)).sum() / held.sum().clamp_min(1.0))
+
+
+# -- synthetic retrieval documents -------------------------------------------------------------------
+
+KEY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def random_needle(rng: random.Random, value_len: int = 6) -> tuple[str, str]:
+    """A (key, value) pair: ``needle_`` and 4 characters, and ``value_len`` characters of KEY_CHARS."""
+    key = "needle_" + "".join(rng.choice(KEY_CHARS) for _ in range(4))
+    return key, "".join(rng.choice(KEY_CHARS) for _ in range(value_len))
+
+
+def needle_line(key: str, value: str) -> bytes:
+    """The line that states a key's value."""
+    return f'{key} = "{value}"\n'.encode()
+
+
+def query_prefix(key: str) -> bytes:
+    """What asks for a key's value: the answer follows it."""
+    return f'\n{key} = "'.encode()
+
+
+def retrieval_document(filler: bytes, rng: random.Random, *, pairs: int = 4, value_len: int = 6) -> bytes:
+    """``filler`` with ``pairs`` needle lines at random line boundaries (at random depths of the
+    text; at random offsets where it has no line breaks there), then every key asked in a random
+    order, each answer and its closing quote given: ``...query_prefix(key) value"``. Distinct keys."""
+    if pairs < 1:
+        raise ValueError(f"a retrieval document needs at least one needle, got pairs={pairs}")
+    needles: dict[str, str] = {}
+    while len(needles) < pairs:
+        key, value = random_needle(rng, value_len)
+        needles.setdefault(key, value)
+    cuts = []
+    for _ in needles:
+        target = rng.randrange(len(filler) + 1)
+        nl = filler.rfind(b"\n", 0, target)
+        cuts.append(nl + 1 if nl >= 0 else target)
+    cuts.sort()
+    parts, last = [], 0
+    for cut, (key, value) in zip(cuts, needles.items()):
+        parts += [filler[last:cut], needle_line(key, value)]
+        last = cut
+    parts.append(filler[last:])
+    order = list(needles)
+    rng.shuffle(order)
+    for key in order:
+        parts += [query_prefix(key), needles[key].encode(), b'"']
+    return b"".join(parts) + b"\n"

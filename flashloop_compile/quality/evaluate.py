@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashloop_compile.config import ConfigError, FlashLoopConfig
-from flashloop_compile.quality.corpus import ByteTokenizer, Corpus
+from flashloop_compile.quality.corpus import ByteTokenizer, Corpus, needle_line, query_prefix, random_needle
 from flashloop_compile.reference.kvstore import QuantizedKVStore
 
 __all__ = [
@@ -76,7 +76,6 @@ __all__ = [
 ]
 
 LN2 = math.log(2.0)
-_KEY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 # -- configurations ---------------------------------------------------------------------------------
@@ -301,10 +300,9 @@ def build_retrieval_case(
     filler: bytes, context: int, depth: float, rng: random.Random, tokenizer: ByteTokenizer, value_len: int = 6
 ) -> RetrievalCase:
     """A prompt of exactly ``context`` tokens with the needle at relative ``depth`` (see module doc)."""
-    key = "needle_" + "".join(rng.choice(_KEY_CHARS) for _ in range(4))
-    value = "".join(rng.choice(_KEY_CHARS) for _ in range(value_len))
-    needle = f'{key} = "{value}"\n'.encode()
-    query = f'\n{key} = "'.encode()
+    key, value = random_needle(rng, value_len)
+    needle = needle_line(key, value)
+    query = query_prefix(key)
     head = tokenizer.encode(b"", bos=True)
     avail = context - len(head) - len(needle) - len(query)
     if avail < 0:

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,9 +42,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flashloop_compile.models.ouro import OuroConfig, OuroForCausalLM, apply_rope, rope_cos_sin
-from flashloop_compile.quality.corpus import BOS, EOS, VOCAB_SIZE, ByteTokenizer, Corpus, token_stream, unigram_bits_per_byte
+from flashloop_compile.quality.corpus import (
+    BOS, EOS, VOCAB_SIZE, ByteTokenizer, Corpus, retrieval_document, token_stream, unigram_bits_per_byte,
+)
 
-__all__ = ["TrainConfig", "build_model", "loop_logits", "loss_fn", "train"]
+__all__ = ["TrainConfig", "build_model", "loop_logits", "loss_fn", "mix_retrieval_documents", "train"]
 
 LN2 = math.log(2.0)
 
@@ -84,6 +87,9 @@ class TrainConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     corpus_max_doc_bytes: int | None = None
     corpus_max_docs: int | None = None
+    corpus_packages: tuple[str, ...] = ()  # installed packages' sources added to the stdlib (corpus.py)
+    retrieval_fraction: float = 0.0  # share of the training bytes that are synthetic retrieval documents
+    retrieval_pairs: int = 4  # needles per synthetic retrieval document
 
     def model_config(self) -> OuroConfig:
         if self.hidden % self.head_dim:
@@ -195,6 +201,36 @@ def _heldout_bpb(model: OuroForCausalLM, rows: Tensor, batch: int, autocast: boo
     return nll / max(n, 1) / LN2
 
 
+def mix_retrieval_documents(docs: list[bytes], fraction: float, *, length: int, pairs: int = 4, seed: int = 0) -> list[bytes]:
+    """``docs`` with synthetic retrieval documents (corpus.retrieval_document) inserted at random
+    places until they make up ``fraction`` of the bytes. Each one's filler is a random piece of
+    the documents' own text, between length / 4 and ``length`` bytes (``length``: the training
+    window), so that its needles sit at every distance from their questions inside one window.
+    Deterministic in ``seed``; the documents keep their order."""
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"retrieval_fraction must lie in [0, 1), got {fraction}")
+    if fraction == 0.0 or not docs:
+        return list(docs)
+    rng = random.Random(seed)
+    text = b"\n".join(docs)
+    want = fraction / (1.0 - fraction) * len(text)
+    synthetic, n = [], 0
+    while n < want:
+        size = rng.randint(max(length // 4, 64), max(length, 64))
+        start = rng.randrange(max(len(text) - size, 1))
+        doc = retrieval_document(text[start : start + size], rng, pairs=pairs)
+        synthetic.append(doc)
+        n += len(doc)
+    slots = sorted(rng.randrange(len(docs) + 1) for _ in synthetic)
+    out, j = [], 0
+    for i, doc in enumerate(docs):
+        while j < len(slots) and slots[j] == i:
+            out.append(synthetic[j])
+            j += 1
+        out.append(doc)
+    return out + synthetic[j:]
+
+
 def train(
     cfg: TrainConfig,
     out_dir: str | os.PathLike | None,
@@ -220,7 +256,7 @@ def train(
             log_file.flush()
 
     corpus = corpus or Corpus(heldout_percent=cfg.heldout_percent, valid_percent=cfg.valid_percent,
-                               max_doc_bytes=cfg.corpus_max_doc_bytes)
+                               max_doc_bytes=cfg.corpus_max_doc_bytes, packages=tuple(cfg.corpus_packages))
     tok = ByteTokenizer(cfg.vocab_size)
     train_paths, valid_paths, held_paths = corpus.train_paths, corpus.valid_paths, corpus.heldout_paths
     if cfg.corpus_max_docs:
@@ -228,8 +264,10 @@ def train(
         train_paths, valid_paths, held_paths = train_paths[: cfg.corpus_max_docs], valid_paths[:k], held_paths[:k]
     train_docs = [corpus.read(p) for p in train_paths]
     held_docs = [corpus.read(p) for p in held_paths]
-    stream = token_stream(train_docs, tok).to(device)
     unigram = unigram_bits_per_byte(train_docs, held_docs)
+    train_docs = mix_retrieval_documents(train_docs, cfg.retrieval_fraction, length=cfg.seq_len, pairs=cfg.retrieval_pairs,
+                                         seed=cfg.seed)
+    stream = token_stream(train_docs, tok).to(device)
 
     def eval_rows(docs: list[bytes], seed: int) -> Tensor | None:
         """Fixed random windows of a split's stream (at most eval_batches * batch of them)."""

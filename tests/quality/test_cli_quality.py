@@ -12,7 +12,8 @@ def test_train_cli(tmp_path, capsys):
     out = tmp_path / "ck"
     assert main(["train", "--out", str(out), "--seconds", "60", "--max-steps", "3", "--layers", "1", "--hidden", "64",
                  "--head-dim", "32", "--seq-len", "32", "--batch", "2", "--warmup", "1", "--log-every", "1",
-                 "--eval-every", "2", "--max-docs", "10", "--device", "cpu"]) == 0
+                 "--eval-every", "2", "--max-docs", "10", "--device", "cpu", "--packages", "sympy",
+                 "--retrieval-fraction", "0.2"]) == 0
     assert "unigram baseline" in capsys.readouterr().out
     assert (out / "model.safetensors").is_file() and (out / "train_log.txt").is_file()
     cmd = (out / "command.txt").read_text().split()
@@ -22,6 +23,7 @@ def test_train_cli(tmp_path, capsys):
 
     again = vars(build_parser().parse_args(cmd[3:]))
     assert again["max_steps"] == 3 and again["hidden"] == 64 and again["compile"] is False and again["select_best"] is True
+    assert again["packages"] == ["sympy"] and again["retrieval_fraction"] == 0.2 and again["retrieval_pairs"] == 4
     # the checkpoint evaluates
     assert main(["eval", "--checkpoint", str(out), "--configs", "dense", "--docs", "1", "--contexts", "64",
                  "--continuation", "4", "--trials", "0", "--n-boot", "20"]) == 0

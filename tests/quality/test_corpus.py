@@ -115,3 +115,55 @@ def test_unigram_baseline():
     bits = unigram_bits_per_byte([skewed], [skewed])
     assert 1.0 < bits < 1.2  # ~1 bit, plus add-one smoothing over 256 symbols
     assert math.isfinite(unigram_bits_per_byte([b"a"], [b"z"]))
+
+
+def test_package_sources_join_the_corpus_under_their_package_name(tree, monkeypatch):
+    from flashloop_compile.quality.corpus import PACKAGE_PREFIX, package_root
+
+    site = tree / "site"
+    for rel in ("fakepkg/__init__.py", "fakepkg/core/ops.py", "fakepkg/__pycache__/x.py"):
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_bytes(f"# {rel}\n".encode())
+    monkeypatch.syspath_prepend(str(site))
+    assert package_root("fakepkg") == site / "fakepkg"
+    corpus = Corpus(root=tree, packages=("fakepkg",))
+    names = ["fakepkg/__init__.py", "fakepkg/core/ops.py"]
+    every = sorted(corpus.train_paths + corpus.valid_paths + corpus.heldout_paths)
+    assert every == sorted(list_documents(tree) + [PACKAGE_PREFIX + n for n in names])
+    for n in names:
+        path = PACKAGE_PREFIX + n
+        assert split_of(path) in ("train", "valid", "heldout") and path in corpus.paths(split_of(path))
+        assert corpus.read(path) == f"# {n}\n".encode()
+    # the stdlib's documents and their splits do not move when packages join
+    plain = Corpus(root=tree)
+    assert set(plain.heldout_paths) <= set(corpus.heldout_paths) and set(plain.train_paths) <= set(corpus.train_paths)
+    with pytest.raises(FileNotFoundError, match="'no_such_pkg_xyz' is not an installed package"):
+        Corpus(root=tree, packages=("no_such_pkg_xyz",))
+    with pytest.raises(FileNotFoundError, match="top-level package"):
+        package_root("fakepkg.core")
+
+
+def test_retrieval_documents_state_each_needle_before_asking_it_again_with_its_answer():
+    import random
+    import re
+
+    from flashloop_compile.quality.corpus import needle_line, query_prefix, retrieval_document
+
+    filler = b"".join(f"line_{i} = {i * 7}\n".encode() for i in range(200))
+    for seed in range(20):
+        doc = retrieval_document(filler, random.Random(seed), pairs=5)
+        found = re.findall(rb'(needle_[a-z0-9]{4}) = "([a-z0-9]{6})"', doc)
+        assert len(found) == 10  # five statements, five questions with their answers
+        stated, asked = dict(found[:5]), found[5:]
+        assert len(stated) == 5 and sorted(asked) == sorted(stated.items())
+        questions = b"".join(query_prefix(k.decode()) + v + b'"' for k, v in asked) + b"\n"
+        assert doc.endswith(questions)  # every question after every statement
+        text = doc[: -len(questions)]
+        for key, value in asked:
+            at = text.index(needle_line(key.decode(), value.decode()))
+            assert at == 0 or text[at - 1:at] == b"\n"  # a statement on a line of its own
+        # the filler is all there, in order, once the statements are taken out
+        assert re.sub(rb'needle_[a-z0-9]{4} = "[a-z0-9]{6}"\n', b"", text) == filler
+    assert retrieval_document(filler, random.Random(3)) == retrieval_document(filler, random.Random(3))
+    with pytest.raises(ValueError, match="at least one needle"):
+        retrieval_document(filler, random.Random(0), pairs=0)

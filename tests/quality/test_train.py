@@ -66,3 +66,19 @@ def test_model_config_checks_head_dim():
         TrainConfig(hidden=100, head_dim=64).model_config()
     c = TrainConfig().model_config()
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim, c.intermediate_size) == (256, 6, 4, 64, 768)
+
+
+def test_synthetic_retrieval_documents_make_up_the_asked_share_of_the_training_bytes():
+    from flashloop_compile.quality.train import mix_retrieval_documents
+
+    docs = [f"# doc {i}\n".encode() + b"x = 1\n" * (50 + i) for i in range(40)]
+    assert mix_retrieval_documents(docs, 0.0, length=256) == docs
+    mixed = mix_retrieval_documents(docs, 0.2, length=256, seed=1)
+    synthetic = [d for d in mixed if b"needle_" in d]
+    assert [d for d in mixed if b"needle_" not in d] == docs  # every document kept, in order
+    share = sum(map(len, synthetic)) / sum(map(len, mixed))
+    assert 0.2 <= share < 0.2 + 300 / sum(map(len, mixed))  # reached, by at most one more document
+    assert all(len(d) <= 256 + 4 * 80 for d in synthetic)  # a training window's filler plus its needles
+    assert mixed == mix_retrieval_documents(docs, 0.2, length=256, seed=1)
+    with pytest.raises(ValueError, match=r"retrieval_fraction must lie in \[0, 1\)"):
+        mix_retrieval_documents(docs, 1.0, length=256)
