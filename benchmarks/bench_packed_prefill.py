@@ -136,6 +136,7 @@ def main() -> None:
                 raise SystemExit(f"self-check failed at T={T}: the write against {args.write_against} differs at depth {d}")
             restore()
             writes[f"write d{d} only"][0]()  # the next depth starts from this one
+        cache.reset()  # packed_attention below reads a fresh prompt's cache (each write restores its own state)
         ops = {
             "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
             "position_attention": lambda: position_attention(q, k, v, pos, scale),
