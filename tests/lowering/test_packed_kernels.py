@@ -164,18 +164,21 @@ def test_decode_attention_single_query_and_gqa_dot_path():
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 5])
-def test_chunked_flush_writes_the_same_cache(chunks):
+@pytest.mark.parametrize("chunks, rows_tile", [(1, None), (2, None), (5, None), (2, 0), (1, 4), (2, 64)])
+def test_chunked_flush_writes_the_same_cache(chunks, rows_tile):
     # several flush programs per (batch, head), each a range of groups: the same cache tensors
-    # (residual rows allocated in position order across ranges) over the mixed scenario
+    # (residual rows allocated in position order across ranges) over the mixed scenario (ring
+    # rows active at a depth: chunked prompts, decode steps). rows_tile: a residual flush on
+    # whole groups (0), on its active rows in tiles of 4 (up to 16 tiles a group: the extrema
+    # pass) or in one tile of the whole group (None: the launcher's choice per depth)
     ca = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
     ck = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
     for f, fw in enumerate(scenario(H, D, R, torch.float32, seed=3)):
         for d in range(R):
             k, v, pos = batched_depth_call(fw, d, H, D, torch.float32, pad="left" if f == 1 else "right")
             P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
-            write_kernel(ck, 0, k, v, pos, d, chunks=chunks)
-            assert_same_cache(ca, ck, f"forward {f} depth {d} ({chunks} ranges)")
+            write_kernel(ck, 0, k, v, pos, d, chunks=chunks, rows_tile=rows_tile)
+            assert_same_cache(ca, ck, f"forward {f} depth {d} ({chunks} ranges, rows tile {rows_tile})")
     # one long prompt: six groups flushed per call, depths 2-3 on nested subsets (token-sparse
     # rows: residual rows allocated in position order across the ranges), a ragged second row
     ca = PackedKVCache(1, R, 2, 512, H, D, dtype=torch.float32)
@@ -191,40 +194,8 @@ def test_chunked_flush_writes_the_same_cache(chunks):
             keep &= torch.rand(2, n, generator=g) < 0.5
         sel = torch.where(keep, pos, -1)
         P.packed_kv_write_aten(*ca.op_tensors(0), k + d, v - d, sel, d)
-        write_kernel(ck, 0, k + d, v - d, sel, d, chunks=chunks)
-        assert_same_cache(ca, ck, f"long prompt depth {d} ({chunks} ranges)")
-
-
-@pytest.mark.parametrize("rows_tile", [0, 4, 64])
-def test_residual_flush_on_active_row_tiles_writes_the_same_cache(rows_tile):
-    # a residual flush compacts each group's active rows into tiles (two passes where they fill
-    # more than one): at every depth >= 1, whole groups (0), tiles of 4 rows (up to 16 tiles a
-    # group: the extrema pass) and one tile of the whole group, against the ATen body; the mixed
-    # scenario (ring rows active at a depth: chunked prompts, decode steps) and a long prompt
-    # whose depths 2-3 keep half and a quarter of the rows over two ranges
-    ca = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
-    ck = PackedKVCache(1, R, 2, S, H, D, dtype=torch.float32)
-    for f, fw in enumerate(scenario(H, D, R, torch.float32, seed=5)):
-        for d in range(R):
-            k, v, pos = batched_depth_call(fw, d, H, D, torch.float32, pad="left" if f == 1 else "right")
-            P.packed_kv_write_aten(*ca.op_tensors(0), k, v, pos, d)
-            write_kernel(ck, 0, k, v, pos, d, rows_tile=rows_tile if d else None)
-            assert_same_cache(ca, ck, f"forward {f} depth {d} (rows tile {rows_tile})")
-    ca = PackedKVCache(1, R, 2, 512, H, D, dtype=torch.float32)
-    ck = PackedKVCache(1, R, 2, 512, H, D, dtype=torch.float32)
-    g = torch.Generator().manual_seed(6)
-    n = 450
-    k, v = torch.randn(2, H, n, D, generator=g), torch.randn(2, H, n, D, generator=g)
-    pos = torch.arange(n)[None].repeat(2, 1)
-    pos[1, 300:] = -1
-    keep = torch.ones(2, n, dtype=torch.bool)
-    for d in range(R):
-        if d >= 2:
-            keep &= torch.rand(2, n, generator=g) < 0.5
-        sel = torch.where(keep, pos, -1)
-        P.packed_kv_write_aten(*ca.op_tensors(0), k + d, v - d, sel, d)
-        write_kernel(ck, 0, k + d, v - d, sel, d, chunks=2, rows_tile=rows_tile if d else None)
-        assert_same_cache(ca, ck, f"long prompt depth {d} (rows tile {rows_tile})")
+        write_kernel(ck, 0, k + d, v - d, sel, d, chunks=chunks, rows_tile=rows_tile)
+        assert_same_cache(ca, ck, f"long prompt depth {d} ({chunks} ranges, rows tile {rows_tile})")
 
 
 def test_one_token_writes_match_aten_across_a_flush_with_a_padded_row():

@@ -134,12 +134,15 @@ def _write_flush_kernel(
         if COUNT:
             tl.store(counts + b * NBP + blk, n_act)
         elif n_act > 0:
+            local = row + tl.cumsum(act.to(tl.int32), 0) - 1
+            fits = act & (local < cap)
+            if not BASE:
+                tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
+                tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
+                kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
+                    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
+                    bh, S, NB, CAPT, D, G)
             if RT == 0:
-                local = row + tl.cumsum(act.to(tl.int32), 0) - 1
-                fits = act & (local < cap)
-                if not BASE:
-                    tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
-                    tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
                 grow = tl.where(fits, off + local, 0).to(tl.int64)
                 mc = (in_call & act)[:, None]
                 mr = ((in_call == 0) & act)[:, None]
@@ -148,10 +151,6 @@ def _write_flush_kernel(
                 xk_rows = k + (b * sk_b + h * sk_h + idx * sk_t)[:, None]
                 xv_rows = v + (b * sv_b + h * sv_h + idx * sv_t)[:, None]
                 ring = (((b * R + depth) * H + h) * RING + p % RING)[:, None] * D
-                if not BASE:
-                    kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-                        k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-                        bh, S, NB, CAPT, D, G)
                 for g in tl.static_range(NG):
                     # channels g*G .. g*G + G - 1 of the block's rows (whole rows of k/v or the ring,
                     # loaded contiguously) as even/odd halves [G, G/2]: pair i's two codes make byte i.
@@ -207,20 +206,12 @@ def _write_flush_kernel(
                         tl.store(v_res_min + (bh * CAPT + grow) * NG + g, vmn, mask=fits)
                         tl.store(v_res_scale + (bh * CAPT + grow) * NG + g, vsc, mask=fits)
             else:
-                # the active rows in position order: rank r goes to tile r // RT, slot r % RT,
-                # compact row row + r. A tile's slots find their rows by matching ranks (an
-                # [RT, G] comparison), so the tile loads and reconstructs only active rows
-                rank = tl.cumsum(act.to(tl.int32), 0) - 1
-                local = row + rank
-                fits = act & (local < cap)
-                tl.store(rows + ((depth - 1) * B + b) * S + p, local, mask=fits & (h == 0))
-                tl.store(overflow + tl.zeros([G], tl.int32), tl.full([G], 1, tl.int32), mask=act & (local >= cap))
-                kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-                    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-                    bh, S, NB, CAPT, D, G)
+                # the active rows in position order: rank r (= local - row) goes to tile r // RT,
+                # slot r % RT. A tile's slots find their rows by matching ranks (an [RT, G]
+                # comparison), so the tile loads and reconstructs only active rows
                 n_tiles = (n_act + RT - 1) // RT
                 n_first = tl.where(n_tiles > 1, n_tiles, 0)  # the extrema pass, where one tile does not hold them
-                rk = tl.where(act, rank, -1)[None, :]
+                rk = tl.where(act, local - row, -1)[None, :]
                 gi = tl.arange(0, G)[None, :]
                 ci = in_call.to(tl.int32)[None, :]
                 xi = idx.to(tl.int32)[None, :]
