@@ -321,10 +321,20 @@ def _write_tail_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-# Rows per tile of a residual flush's active rows (_write_flush_kernel's RT) at depths >= 2, where
-# token-sparse prefill keeps a quarter and a tenth of each group's rows; 0 (the whole group) at
-# depth 1, which keeps every row.
-ACTIVE_ROWS_TILE = 16
+# Rows per tile of a residual flush's active rows (_write_flush_kernel's RT) by depth: 0 (whole
+# groups) at depth 1, which keeps every row; at depths >= 2 about the rows of a 64-row group that
+# token-sparse prefill keeps at its default retention (a quarter at depth 2, a tenth after). One
+# 32K site on an H100, each depth alone (RESULTS.md "The packed write, one site", 2026-12-05):
+# depth 2 0.917 ms at 16 against 1.036 at 8; depth 3 0.645 at 8 against 0.754 at 16. The flush
+# runs 4 warps at every depth (depths 0-1: 0.632 / 1.179 ms against 0.684 / 1.310 at 8 warps).
+ACTIVE_ROWS_TILE = {2: 16, 3: 8}
+
+
+def active_rows_tile(depth: int, group: int) -> int:
+    """The flush's active-row tile at ``depth`` (0: the whole group)."""
+    if depth < 2:
+        return 0
+    return min(ACTIVE_ROWS_TILE.get(depth, ACTIVE_ROWS_TILE[max(ACTIVE_ROWS_TILE)]), group)
 
 
 def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap, chunks: int | None = None,
@@ -335,7 +345,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     window (fewer than T / G + 1 at depth 0, which the later depths follow; the ring keeps under
     2G unflushed positions), each a contiguous range of the groups; one for a decode token.
     ``chunks`` overrides that count (tests: ranges of several groups); ``rows_tile`` the active
-    rows' tile at depth >= 1 (0: whole groups; default ACTIVE_ROWS_TILE at depth >= 2)."""
+    rows' tile at depth >= 1 (0: whole groups; default :func:`active_rows_tile`)."""
     c = PackedTensors(*tensors)
     B, H, S, D, G, R, NB, CAPT = _geometry(tensors)
     Bc, _, Tn, _ = k.shape
@@ -370,13 +380,13 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
     )
-    rt = 0 if base else (min(ACTIVE_ROWS_TILE, G) if depth >= 2 else 0) if rows_tile is None else int(rows_tile)
+    rt = active_rows_tile(depth, G) if rows_tile is None else 0 if base else int(rows_tile)
     if rt and (rt & (rt - 1) or rt > G):
         raise ValueError(f"rows_tile must be 0 or a power of two up to the group ({G}), got {rt}")
     meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
         wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, RT=0, **meta, num_warps=2)
-    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=4 if rt else 8)
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=4)
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
