@@ -37,7 +37,9 @@ model = small().to("cuda", torch.bfloat16)
 variants = [
     ("off_default", FlashLoopConfig(), {}),
     ("off_in_so", FlashLoopConfig(), {"aot_inductor.package_constants_in_so": True, "aot_inductor.package_constants_on_disk_format": None}),
+    ("off_blob", FlashLoopConfig(), {"aot_inductor.package_constants_on_disk_format": "binary_blob"}),
     ("all_on_default", FlashLoopConfig.all_on(**SMALL), {}),
+    ("all_on_in_so", FlashLoopConfig.all_on(**SMALL), {"aot_inductor.package_constants_in_so": True, "aot_inductor.package_constants_on_disk_format": None}),
 ]
 only = sys.argv[1:] or [v[0] for v in variants]
 for name, cfg, opts in variants:
