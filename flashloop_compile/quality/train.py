@@ -299,7 +299,7 @@ def train(
     emit(f"command: {command or '(library call)'}")
     emit(f"python {platform.python_version()} torch {torch.__version__} device {device}"
          + (f" ({torch.cuda.get_device_name(device)})" if use_cuda else ""))
-    emit(f"corpus: {corpus.root}: train {len(train_paths)} files {stream.numel():,} tokens; valid {len(valid_paths)} files; "
+    emit(f"corpus: {corpus.root}{''.join(' + ' + n for n in corpus.packages)}: train {len(train_paths)} files {stream.numel():,} tokens; valid {len(valid_paths)} files; "
          f"held-out {len(held_paths)} files (bucket sha256(path) % 100: held-out < {corpus.heldout_percent} <= valid "
          f"< {corpus.heldout_percent + corpus.valid_percent} <= train)")
     emit(f"unigram baseline (train byte frequencies, add-one) on held-out: {unigram:.3f} bits/byte")
