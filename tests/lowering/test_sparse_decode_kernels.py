@@ -230,3 +230,43 @@ def test_correction_variants_match_the_aten_body(dtype, split, stages):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got[0, 1, 0], (o_ref - c_ref[0])[0, 1, 0].to(dtype), **tol)
+
+
+@pytest.mark.parametrize("split", [1, 3, 5])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_radix_select_is_the_stable_top_k(split, seed):
+    """radix_select alone on rows with many exact ties, invisible keys, k = 0 and k = every visible
+    key, two fractions: the selected positions are the k largest probabilities, ties to the lower
+    position, ascending and -1 padded; K* and the last tie taken reproduce the set; the kept
+    probabilities sit at their keys' slots, 0 past them."""
+    g = torch.Generator().manual_seed(seed)
+    rows, s, kmax = 4, 150, 150
+    scores = torch.randint(-3, 2, (rows, s), generator=g).float() * 0.5  # few distinct values: ties
+    scores[1, 100:] = float("-inf")  # invisible keys
+    scores[3] = float("-inf")
+    scores[3, :7] = 0.0
+    m = scores.max(-1).values
+    part_m = m[:, None].contiguous()
+    part_l = torch.exp(scores - m[:, None]).sum(-1, keepdim=True)
+    visible = (scores > float("-inf")).sum(-1).to(torch.int32)
+    kk = torch.stack([torch.tensor([17, 40, 0, 7], dtype=torch.int32), visible.clone()])  # [F, rows]
+    kk[1, 2] = 1
+    probs = scores.clone()
+    cfg = SC.KernelConfig(block_sel=16, block_compact=16, min_sel_chunk=16, split_sel=split)
+    keys, thr, cut, psel = SEL.radix_select(probs, part_m, part_l, kk, SEL.radix_digits(), s, rows, 2, kmax, 1, 1, rows, 1,
+                                            1, cfg, SC.Launcher(False), probs.device, keep_probs=True)
+    keys, psel = keys.view(2, rows, kmax), psel.view(2, rows, kmax)
+    bits = torch.where(probs >= 0, probs.view(torch.int32).clamp_max((1 << 30) - 2) + 1, 0)
+    for f in range(2):
+        for r in range(rows):
+            k = int(kk[f, r])
+            order = sorted(range(s), key=lambda n: (-int(bits[r, n]), n))  # largest key first, lower position first
+            want = sorted(order[:k])
+            got = keys[f, r].tolist()
+            assert got[:k] == want and all(x == -1 for x in got[k:]), (f, r)
+            assert torch.equal(psel[f, r, :k], probs[r, want]) and not psel[f, r, k:].any()
+            if k:
+                kstar = int(bits[r, order[k - 1]])
+                assert int(thr[f, r]) == kstar
+                sel = (bits[r] > kstar) | ((bits[r] == kstar) & (torch.arange(s) <= int(cut[f, r])))
+                assert sorted(torch.nonzero(sel).flatten().tolist()) == want
