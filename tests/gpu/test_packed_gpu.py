@@ -392,3 +392,15 @@ def test_packed_reference_matches_aten_and_the_read_then_reference_form(mode):
         for other in (two_step, compiled):
             _assert_keys_mostly_shared(got, other)
     assert torch.equal(got[2], ref[2])  # count
+
+
+@pytest.mark.parametrize("B, T", [(1, 32768), (4, 8193), (2, 200000)])
+def test_running_extrema_equals_torch_scans(B, T):
+    from flashloop_compile.lowering.kernels.running_extrema import running_extrema
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(-1, T, (B, T), device="cuda", generator=g)
+    x[:, T // 2:] = x[:, T // 2:].sort(1).values  # half a prompt, half scattered
+    premax, sufmin = running_extrema(x, premax=True, sufmin=True)
+    assert torch.equal(premax, x.cummax(1).values)
+    assert torch.equal(sufmin, x.flip(1).cummin(1).values.flip(1))

@@ -83,6 +83,7 @@ WRITES = {
     "_reuse_correction_kernel": {"out_ptr", "pacc_ptr"},
     "_reuse_combine_kernel": {"out_ptr"},
     "_read_values_kernel": {"part_acc"},
+    "_running_extrema_kernel": {"premax", "sufmin"},
 }
 
 

@@ -20,6 +20,7 @@ from flashloop_compile.lowering.kernels.packed_decode import (
     FAST_DECODE, FP32_ONE_BITS, _combine_kernel, _decode_bulk_kernel, bulk_lanes, decode_splits,
 )
 from flashloop_compile.lowering.kernels.packed_read import launch_packed_read
+from flashloop_compile.lowering.kernels.running_extrema import running_extrema
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_attention", "inflight_bounds", "PACKED_PREFILL"]
@@ -293,7 +294,8 @@ def _attn_kernel(
 # ------------------------------------------------------------------------------------------------
 
 
-def inflight_bounds(q_positions, inflight_positions, qpk: int, block_m: int, block_n: int):
+def inflight_bounds(q_positions, inflight_positions, qpk: int, block_m: int, block_n: int, *, wrap=no_wrap,
+                    max_len: int | None = None):
     """[B, query tiles, 2] int32 for prefill's whole-row loop over the in-flight keys (index order):
     per tile of block_m query rows (row m is query token m // qpk), a_end: the in-flight keys
     before it are valid and at or before every valid row's position (attended without a mask),
@@ -303,8 +305,8 @@ def inflight_bounds(q_positions, inflight_positions, qpk: int, block_m: int, blo
     B, T = q_positions.shape
     big = torch.iinfo(torch.int64).max
     kk = torch.where(inflight_positions >= 0, inflight_positions, big)
-    sufmin = kk.flip(1).cummin(1).values.flip(1).contiguous()  # non-decreasing: min position from key i on
-    premax = kk.cummax(1).values.contiguous()  # non-decreasing: big after the first padding key
+    # both non-decreasing: premax is big after the first padding key, sufmin the min position from key i on
+    premax, sufmin = running_extrema(kk, premax=True, sufmin=True, wrap=wrap, max_len=max_len)
     tiles = -(-(T * qpk) // block_m)
     rows = torch.arange(tiles * block_m, device=q_positions.device) // qpk
     qp = q_positions[:, rows.clamp_max(T - 1)]
@@ -403,7 +405,7 @@ def launch_packed_attention(
         for key, val in (("block_m", bm), ("block_n_inflight", bni)):
             if val < 16 or val & (val - 1):
                 raise ValueError(f"prefill {key} must be a power of two >= 16 (a tensor-core tile); got {val}")
-        bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni)
+        bounds = inflight_bounds(q_positions, inflight_positions, qpk, bm, bni, wrap=wrap, max_len=S)
         stages_opt = {} if interp else {"num_stages": int(ptune["num_stages"])}
         # the stored keys read once as rows (a bandwidth-bound packed read) for every query tile's
         # flash loop, rather than reconstructed in every query tile (7.7x slower for a 4096-token

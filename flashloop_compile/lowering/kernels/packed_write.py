@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
 from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _DEPTH_BIAS, _bulk_k, _bulk_v, _codes, _geometry, _params, _row_bases
+from flashloop_compile.lowering.kernels.running_extrema import running_extrema
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 __all__ = ["launch_packed_kv_write"]
@@ -357,7 +358,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     if one_token:  # decode: no search keys and no run test (two small launches per write, ~2 us)
         skey = contig = positions
     elif Tn:
-        skey = torch.cummax(positions, dim=1).values.contiguous()
+        skey, _ = running_extrema(positions, wrap=wrap, max_len=S)  # torch.cummax's values, one launch
         first = positions[:, :1]
         steps = torch.arange(Tn, device=dev, dtype=positions.dtype)
         contig = ((positions == first + steps).all(1) & (first >= 0).all(1)).to(torch.int32)
