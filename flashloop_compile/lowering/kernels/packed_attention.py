@@ -15,7 +15,7 @@ import triton.language as tl
 
 from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap, stored_end
-from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _flushed_min, _geometry, _reconstruct, _round_to
+from flashloop_compile.lowering.kernels.packed_codec import DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _flushed_min, _geometry, _reconstruct, _round_to, residual_unroll
 from flashloop_compile.lowering.kernels.packed_decode import (
     FAST_DECODE, FP32_ONE_BITS, _combine_kernel, _decode_bulk_kernel, bulk_lanes, decode_splits,
 )
@@ -426,7 +426,7 @@ def launch_packed_attention(
             c.rows, c.res_layout, part_ml, part_acc,
             q.stride(0), q.stride(1), q.stride(3), q_positions.stride(0), float(scale), FP32_ONE_BITS,
             B, H, S, NB, CAPT, R,
-            D=D, G=G, BN=bnf, LANES=bulk_lanes(D, bnf), NSTORED=ns, RP=next_pow2(R), STAGES=stages, DEPTH=depth,
+            D=D, G=G, BN=bnf, LANES=bulk_lanes(D, bnf), NSTORED=ns, RP=residual_unroll(depth), STAGES=stages, DEPTH=depth,
             NTAIL=ntail, num_warps=tune["num_warps"],
         )
         grid = (Bc * H, ntail, m_tiles)  # _attn_kernel takes splits NSTORED on only: the tail and in-flight keys
@@ -440,7 +440,7 @@ def launch_packed_attention(
         *q_positions.stride(), *inflight_positions.stride(),
         T, Ti, Hq, depth + DEPTH_BIAS, float(scale), B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, QPK=qpk, BM=bm, BN=bn, NSTORED=ns, FUSED=fused, NTAIL=ntail,
-        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=next_pow2(R), BNF=bnf, BNI=bni,
+        USE_DOT=bm >= 16, DOT_T=dot_t, CD=cd, FAST=fast, RP=residual_unroll(depth), BNF=bnf, BNI=bni,
         num_warps=warps, **stages_opt,
     )
     if not fused:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashloop_compile.lowering.kernels.common import next_pow2
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
 _CDTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -40,6 +41,14 @@ DEPTH_BIAS = 2
 
 
 _DEPTH_BIAS = tl.constexpr(DEPTH_BIAS)  # the kernels' copy (Triton globals must be constexpr)
+
+
+def residual_unroll(depth: int) -> int:
+    """RP of a launch at ``depth``: the residual levels the per-token code (_reconstruct) unrolls
+    (1..RP-1, those past the depth masked off) and the flushed boundaries it reads, a power of two
+    > depth. Only the levels the depth can need: at depth 0 (loop 1's tail) no residual code is
+    compiled at all, at depth 1 (the loop-2 reference's window) one level instead of three."""
+    return next_pow2(depth + 1)
 
 
 def _geometry(tensors):
@@ -104,7 +113,7 @@ def _reconstruct(
     (rows with pmask False read as 0) for pairs PAIR0..PAIR0+NP-1, and which rows hold a written
     token. e = min(r, depth_count - 1); p < flushed[e]: base + residuals 1..e present; otherwise
     the ring at depth e. ALIGNED: every p lies in the block of p[0] (K parameters loaded once).
-    RP: a power of two >= R (residuals 1..RP-1 unrolled, those past r masked off).
+    RP: a power of two > r (residuals 1..RP-1 unrolled, those past r masked off; residual_unroll).
 
     No branch depends on a loaded value, and every load's address depends on p, depth_count or a
     residual row map only, so a tile costs about three memory latencies (p; depth_count, the

@@ -21,6 +21,7 @@ from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap
 from flashloop_compile.lowering.kernels.packed_codec import (
     DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _bulk_k, _bulk_v, _flushed_min, _geometry, _reconstruct, _round_to, _row_bases,
+    residual_unroll,
 )
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
@@ -397,7 +398,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
             c.flushed, c.rows, c.res_layout, positions, out_k, out_v, lim,
             sp_b, sp_h, sp_t, P, B, H, S, NB, CAPT, R,
             c.k_tail, c.v_tail, c.depth_count, ip, k_in, v_in, *ip.stride(), *k_in.stride(), *v_in.stride(), ip.shape[1],
-            D=D, G=G, BP=bp, CD=cd, RP=next_pow2(R), DEPTH=depth, NP=np_, SPLIT=bp // bpg,
+            D=D, G=G, BP=bp, CD=cd, RP=residual_unroll(depth), DEPTH=depth, NP=np_, SPLIT=bp // bpg,
             SKIP_PADDING=skip_padding, num_warps=PACKED_READ["num_warps"],
         )
         return
@@ -408,7 +409,7 @@ def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight
         positions, out_k, out_v, lim, ip, k_in, v_in,
         sp_b, sp_h, sp_t, *ip.stride(), *k_in.stride(), *v_in.stride(),
         P, ip.shape[1], depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, BP=bpg, CD=cd, RP=next_pow2(R), num_warps=4,
+        D=D, G=G, NP=np_, BP=bpg, CD=cd, RP=residual_unroll(depth), num_warps=4,
     )
 
 
@@ -456,7 +457,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         count.stride(0), count.stride(1),
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=next_pow2(R), DEPTH=depth, SPLIT=split,
+        D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=residual_unroll(depth), DEPTH=depth, SPLIT=split,
         num_warps=PACKED_READ["num_warps"],
     )
     return part_m, part_l, part_acc, nt
@@ -576,7 +577,7 @@ def launch_packed_read_values(tensors, keys, count, probs, depth: int, *, inflig
         count.stride(0), count.stride(1),
         *ip.stride(), *v_in.stride(),
         P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
-        D=D, G=G, NP=next_pow2(D // 2), BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=next_pow2(R), DEPTH=depth,
+        D=D, G=G, NP=next_pow2(D // 2), BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=residual_unroll(depth), DEPTH=depth,
         SPLIT=split, num_warps=PACKED_READ["num_warps"],
     )
     return part_acc
