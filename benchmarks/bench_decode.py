@@ -63,6 +63,77 @@ def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: 
     return total * layers
 
 
+# The parts of a decode step, each with the profile buckets its kernels fall in and the bytes it
+# must read at the least (issue 31's table): the projections read every decoder layer's weights
+# once per loop and lm_head once; each attention part its K/V (packed: INT4 codes plus FP16
+# minimum and scale per 64 values, one plane per level of the depth it reads); the selection its
+# probability row once. Glue, writes and reads of the ring window have no byte floor of their own.
+PACKED_BYTES_PER_VALUE = 0.5 * (1 + 2 * 2 / 64)
+
+
+def step_parts(name: str, b: int, s: int, cfg, layer_weight_bytes: float, head_weight_bytes: float) -> list[dict]:
+    """[{part, buckets, bytes}] of one decode step of config ``name`` at batch b, context s."""
+    from flashloop_compile.config import FlashLoopConfig
+
+    conf = FlashLoopConfig.from_dict(CONFIGS[name])
+    quant = conf.kv_residual_quantization.enabled
+    sd = conf.sparse_decode_attention
+    heads, dim, layers, loops = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, cfg.num_loops
+    values = b * heads * s * dim  # of K (or V) in one (loop, layer)
+
+    def kv(depth: int) -> float:  # K and V of one layer at ``depth``
+        return 2 * values * (PACKED_BYTES_PER_VALUE * (depth + 1) if quant else 2)
+
+    attn = ("decode_bulk", "packed_attn", "packed_combine") if quant else ("sdpa",)
+    parts = [{"part": "projections", "buckets": ("GEMM",), "bytes": layer_weight_bytes * loops + head_weight_bytes}]
+    if sd.enabled:
+        frac = sd.key_fraction[0]
+        corr = sum(kv(d) for d in range(2, loops)) * frac * (0.5 if sd.reuse_selected_probabilities else 1.0)
+        parts += [
+            {"part": "loop 1 attention", "buckets": attn, "bytes": kv(0) * layers},
+            {"part": "loop 2 reference: scores", "buckets": ("ref_scores",), "bytes": kv(1) / 2 * layers},
+            {"part": "loop 2 reference: PV", "buckets": ("ref_pv",), "bytes": kv(1) / 2 * layers},
+            {"part": "loop 2 selection", "buckets": ("ref_select",), "bytes": b * cfg.num_attention_heads * s * 4 * layers},
+            {"part": f"loops 3-{loops} corrections", "buckets": ("correction",), "bytes": corr * layers},
+        ]
+    else:
+        parts.append({"part": "attention, every loop", "buckets": attn, "bytes": sum(kv(d) for d in range(loops)) * layers})
+    named = {x for p in parts for x in p["buckets"]}
+    parts.append({"part": "writes, window reads, scans", "buckets": ("write", "read_bulk", "read", "scan"), "bytes": None})
+    parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None})
+    assert not named & {"write", "read_bulk", "read", "scan", "inductor", "other"}
+    return parts
+
+
+def part_table(parts: list[dict], profile: dict, gbs: float) -> list[dict]:
+    """Each part's device ms and launches per step from the profile's buckets, its byte floor at
+    ``gbs`` and the share of it reached; then the attention as a whole (every part with a floor
+    but the projections)."""
+    buckets = profile.get("buckets", {})
+    rows = []
+    for p in parts:
+        ms = sum(buckets.get(x, {}).get("ms", 0.0) for x in p["buckets"])
+        launches = sum(buckets.get(x, {}).get("launches", 0.0) for x in p["buckets"])
+        floor = None if p["bytes"] is None else p["bytes"] / (gbs * 1e9) * 1e3
+        rows.append({"part": p["part"], "buckets": list(p["buckets"]), "ms": ms, "launches": launches,
+                     "bytes": p["bytes"], "floor_ms": floor, "share_of_floor": (floor / ms) if floor and ms else None})
+    att = [r for r in rows if r["floor_ms"] is not None and r["part"] != "projections"]
+    ms = sum(r["ms"] for r in att)
+    floor = sum(r["floor_ms"] for r in att)
+    rows.append({"part": "attention as a whole", "buckets": [x for r in att for x in r["buckets"]], "ms": ms,
+                 "launches": sum(r["launches"] for r in att), "bytes": sum(r["bytes"] for r in att), "floor_ms": floor,
+                 "share_of_floor": floor / ms if ms else None})
+    return rows
+
+
+def print_parts(rows: list[dict]) -> None:
+    print(f"    {'part':<32} {'ms':>8} {'floor ms':>9} {'share':>6} {'launches':>9}", flush=True)
+    for r in rows:
+        fl = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':>9}"
+        sh = f"{r['share_of_floor']:6.0%}" if r["share_of_floor"] is not None else f"{'':>6}"
+        print(f"    {r['part']:<32} {r['ms']:8.3f} {fl} {sh} {r['launches']:9.1f}", flush=True)
+
+
 def fill_caches(model, context: int) -> None:
     """Random K/V in every (loop, layer) slot for positions 0..context-1."""
     g = torch.Generator(device=device()).manual_seed(0)
@@ -156,6 +227,8 @@ def main() -> None:
     model = OuroForCausalLM.from_preset(args.preset, dtype=getattr(torch, args.dtype), device=device()).eval()
     cfg = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer_weight_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    head_weight_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     for si, shape in enumerate(args.shapes.split(",")):
         b, s = map(int, shape.split("x"))
         if not deadline.allows(120):
@@ -226,6 +299,11 @@ def main() -> None:
             if args.profile > 0:  # after the timing and the row's measurements: they never see it
                 try:
                     row["profile"] = kernel_profile(replay, partial(fn, *inputs), args.profile, ms)
+                    if "error" not in row["profile"]:
+                        parts = step_parts(base if base in CONFIGS else "dense", b, s, cfg, layer_weight_bytes,
+                                           head_weight_bytes)
+                        row["parts"] = part_table(parts, row["profile"], bw)
+                        row["launches_per_step"] = sum(e["launches"] for e in row["profile"]["buckets"].values())
                 except Exception as e:  # a profiler failure must not cost the timed row
                     row["profile"] = {"error": error_text(e)}
             record("decode", row)
@@ -236,6 +314,10 @@ def main() -> None:
                       f"{g['temp_c_max']:.0f} C, clock-event reasons {g['event_reasons']}", flush=True)
             if "profile" in row:
                 print_profile(name, shape, row["profile"])
+            if "parts" in row:
+                print(f"  parts {name} {shape}: {row['launches_per_step']:.0f} launches per step; floors at "
+                      f"{bw:.0f} GB/s (copy bandwidth of this run)", flush=True)
+                print_parts(row["parts"])
             del fn, out, replay
         del gm, inputs
     print("done", flush=True)

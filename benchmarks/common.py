@@ -277,7 +277,7 @@ BUCKETS = (
     ("read_bulk", ("_read_bulk_kernel",)),
     ("read", ("_read_kernel", "packed_read")),
     ("write", ("packed_kv_write", "_write", "_flush")),
-    ("scan", ("scan_innermost", "cummax", "cummin")),
+    ("scan", ("scan_innermost", "cummax", "cummin", "_running_extrema")),
     ("prefill_attn", ("_position_attention", "position_attention", "_prefill_attention")),
     ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
 )

@@ -134,7 +134,7 @@ def test_decode_profile_buckets_kernel_names():
         "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "GEMM", "sm90_xmma_gemm_bf16bf16_bf16f32": "GEMM",
         "triton_poi_fused_index_select_0": "inductor", "triton_red_fused__to_copy_add_mean_1": "inductor",
         "flashloop::packed_kv_write_aten": "write", "flashloop::packed_attention_aten": "packed_attn",
-        "aten::mm": "GEMM", "Memcpy DtoD (Device -> Device)": "other",
+        "aten::mm": "GEMM", "Memcpy DtoD (Device -> Device)": "other", "_running_extrema_kernel": "scan",
     }
     assert {n: bench_decode.bucket(n) for n in names} == names
 
@@ -156,8 +156,28 @@ def test_decode_bench_on_cpu_records_a_profile_of_the_step(tmp_path):
     assert all(0 <= b["share"] <= 1 and b["launches"] > 0 for b in buckets.values())
     assert abs(sum(b["share"] for b in buckets.values()) - 1) < 1e-6
     assert {"packed_attn", "write", "GEMM"} <= set(buckets), buckets  # the flashloop ops by name
+    parts = {p["part"]: p for p in row["parts"]}
+    assert {"projections", "loop 1 attention", "loop 2 selection", "loops 3-4 corrections", "attention as a whole"} <= set(parts)
+    assert parts["loop 1 attention"]["ms"] == sum(buckets.get(x, {}).get("ms", 0.0) for x in parts["loop 1 attention"]["buckets"])
+    assert all(p["floor_ms"] > 0 for p in parts.values() if p["bytes"] is not None)
+    assert row["launches_per_step"] == sum(b["launches"] for b in buckets.values())
     assert 0 < len(prof["top"]) <= 15
     assert "profile sparse+quant 1x64 (cpu" in run.stdout
+
+
+def test_step_parts_cover_the_step_floor_kv_bytes():
+    """The attention parts' K/V bytes add up to the step floor's KV term (the selection's
+    probability row aside), for every config; the projections are the decoder layers' weights
+    once per loop and lm_head once."""
+    model = OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0)
+    cfg = model.config
+    for name in bench_decode.CONFIGS:
+        parts = bench_decode.step_parts(name, 2, 256, cfg, 1000.0, 10.0)
+        kv = sum(p["bytes"] for p in parts if p["bytes"] is not None and p["part"] not in ("projections", "loop 2 selection"))
+        want = bench_decode.kv_read_bytes(name, 2, 256, cfg, cfg.num_key_value_heads, cfg.head_dim,
+                                          cfg.num_hidden_layers, cfg.num_loops)
+        assert abs(kv - want) <= 1e-9 * want, (name, kv, want)
+        assert parts[0] == {"part": "projections", "buckets": ("GEMM",), "bytes": 1000.0 * cfg.num_loops + 10.0}
 
 
 def test_gpu_samples_summarize_clock_power_and_throttle_reasons():
