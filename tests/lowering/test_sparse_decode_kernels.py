@@ -234,11 +234,19 @@ def test_correction_variants_match_the_aten_body(dtype, split, stages):
 
 @pytest.mark.parametrize("split", [1, 3, 5])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_radix_select_is_the_stable_top_k(split, seed):
+def test_radix_select_is_the_stable_top_k(split, seed, monkeypatch):
     """radix_select alone on rows with many exact ties, invisible keys, k = 0 and k = every visible
     key, two fractions: the selected positions are the k largest probabilities, ties to the lower
     position, ascending and -1 padded; K* and the last tie taken reproduce the set; the kept
-    probabilities sit at their keys' slots, 0 past them."""
+    probabilities sit at their keys' slots, 0 past them. Its buffers start as garbage (the
+    compaction writes every slot, padding included: no fill launch)."""
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        x = empty(*shape, **kw)
+        return x.fill_(float("nan") if x.is_floating_point() else 12345)
+
+    monkeypatch.setattr(SEL.torch, "empty", poisoned)
     g = torch.Generator().manual_seed(seed)
     rows, s, kmax = 4, 150, 150
     scores = torch.randint(-3, 2, (rows, s), generator=g).float() * 0.5  # few distinct values: ties

@@ -196,6 +196,13 @@ def _select_compact_kernel(
         kstar = tl.where(k > 0, kstar, 2147483647)
         need = tl.where(k > 0, need, 0)
         tl.store(thr_ptr + jr, kstar, mask=c == 0)
+        if c == 0:  # the row's slots past its k keys are padding: -1 (and probability 0), no fill launch
+            for s0 in range((k // BLOCK) * BLOCK, KMAX, BLOCK):
+                slot = s0 + tl.arange(0, BLOCK)
+                pad = (slot >= k) & (slot < KMAX)
+                tl.store(keys_ptr + jr * KMAX + slot, tl.full([BLOCK], -1, tl.int32), mask=pad)
+                if KEEP_P:
+                    tl.store(psel_ptr + jr * KMAX + slot, tl.zeros([BLOCK], tl.float32), mask=pad)
         # keys taken and ties seen in the chunks before this one
         taken = tl.zeros([], tl.int32)
         ties = tl.zeros([], tl.int32)
@@ -255,10 +262,11 @@ def radix_select(probs, part_m, part_l, kk, digits, s, rows, f, kmax, split_a, b
             num_warps=cfg.num_warps_sel,
         )
         hprev, pre_prev, rnk_prev = hcur, pre_cur, rnk_cur
-    keys = torch.full((f, b, hq, t, kmax), -1, dtype=torch.int32, device=dev)
+    # every slot is written by the compaction: a row's k keys, then -1 (probability 0) up to kmax
+    keys = torch.empty((f, b, hq, t, kmax), dtype=torch.int32, device=dev)
     thr = torch.empty(f, rows, dtype=torch.int32, device=dev)
     cut = torch.empty(f, rows, dtype=torch.int32, device=dev)  # written when k > 0 (else thr excludes all)
-    psel = torch.zeros((f, b, hq, t, kmax), dtype=torch.float32, device=dev) if keep_probs else None
+    psel = torch.empty((f, b, hq, t, kmax), dtype=torch.float32, device=dev) if keep_probs else None
     launch(_select_compact_kernel, (rows, split_b))(
         probs, kk, hprev, pre_prev, rnk_prev, above, keys, thr, cut, probs if psel is None else psel,
         s, rows, f, chunk_b, split_b, kmax,
