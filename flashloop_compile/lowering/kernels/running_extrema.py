@@ -5,9 +5,10 @@ packed attention bounds its in-flight key loop by both. ``torch.cummax`` / ``tor
 32K row ran as ATen's scan (Inductor falls back to it there): one block per row, ~100 us a call,
 14.5 ms of the all-on 1x32K prefill over 144 launches (H100, 2026-12-05, fdbc503,
 ``bench_prefill.py --profile 1``). Here each program takes one tile of a row: the extremum of
-everything before (or after) its tile, a plain reduction over at most the row, plus a scan of the
-tile. Rows are prompts (at most the cache's length), so a row costs a few MB of L2 reads at worst;
-the tile grows with the row to keep the programs per row at most ``MAX_TILES``.
+everything before (or after) its tile, a reduction over the other tiles one tile at a time (a
+chain of dependent L2 reads: at most MAX_TILES - 1 of them), plus a scan of the tile. Rows are
+prompts (at most the cache's length): tiles of 4096 positions keep that chain at 7 reads for a
+32K prompt, and the tile grows with the row past MIN_TILE * MAX_TILES positions.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
 
 __all__ = ["running_extrema", "MIN_TILE", "MAX_TILES"]
 
-MIN_TILE = 1024  # positions per program
-MAX_TILES = 64  # programs per row at most (the tile doubles past MIN_TILE * MAX_TILES positions)
+MIN_TILE = 4096  # positions per program (8 warps: 16 int64 values a thread)
+MAX_TILES = 16  # programs per row at most (the tile doubles past MIN_TILE * MAX_TILES positions)
 
 
 @triton.jit
@@ -91,6 +92,6 @@ def running_extrema(x: torch.Tensor, *, premax: bool = True, sufmin: bool = Fals
     dummy = out_max if out_max is not None else out_min
     wrap(_running_extrema_kernel)[(B, triton.cdiv(T, block))](
         x, out_max if premax else dummy, out_min if sufmin else dummy, T, x.stride(0), x.stride(1),
-        BLOCK=block, PREMAX=premax, SUFMIN=sufmin, num_warps=4,
+        BLOCK=block, PREMAX=premax, SUFMIN=sufmin, num_warps=8,
     )
     return out_max, out_min
