@@ -19,10 +19,11 @@ import triton.language as tl
 
 from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
 
-__all__ = ["running_extrema", "MIN_TILE", "MAX_TILES"]
+__all__ = ["running_extrema", "MIN_TILE", "MAX_TILES", "MAX_TILE"]
 
 MIN_TILE = 4096  # positions per program (8 warps: 16 int64 values a thread)
-MAX_TILES = 16  # programs per row at most (the tile doubles past MIN_TILE * MAX_TILES positions)
+MAX_TILES = 16  # programs per row (the tile doubles past MIN_TILE * MAX_TILES positions)
+MAX_TILE = 8192  # up to here (two int64 tiles of it are 128 registers a thread): longer rows take more tiles
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def running_extrema(x: torch.Tensor, *, premax: bool = True, sufmin: bool = Fals
     if bound is None:
         raise ValueError("running_extrema of a symbolic length needs max_len (the longest row it can take)")
     if block is None:
-        block = min(max(MIN_TILE, next_pow2(-(-int(bound) // MAX_TILES))), max(16, next_pow2(int(bound))))
+        block = min(max(MIN_TILE, next_pow2(-(-int(bound) // MAX_TILES))), MAX_TILE, max(16, next_pow2(int(bound))))
     elif block < 16 or block & (block - 1):
         raise ValueError(f"the running-extrema tile must be a power of two >= 16, got {block}")
     dummy = out_max if out_max is not None else out_min
