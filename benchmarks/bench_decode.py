@@ -45,22 +45,12 @@ CONFIGS = {
 
 
 def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: int, loops: int) -> float:
-    """Bytes of K/V one decode step must read (the floor's KV term)."""
-    from flashloop_compile.config import FlashLoopConfig
-
-    conf = FlashLoopConfig.from_dict(CONFIGS[name])
-    dense_plane = 2 * b * heads * s * dim * 2  # K and V of one (loop, layer) in BF16
-    packed_plane = dense_plane / 4 * (1 + 2 * 2 / 64)  # INT4 codes + FP16 min/scale per 64 values
-    frac = conf.sparse_decode_attention.key_fraction[0] if conf.sparse_decode_attention.enabled else 1.0
-    if conf.sparse_decode_attention.reuse_selected_probabilities:
-        frac /= 2  # the corrections read V only
-    total = 0.0
-    for depth in range(loops):
-        planes = depth + 1 if conf.kv_residual_quantization.enabled else 1
-        per = packed_plane * planes if conf.kv_residual_quantization.enabled else dense_plane
-        share = frac if (conf.sparse_decode_attention.enabled and depth >= 2) else 1.0
-        total += per * share
-    return total * layers
+    """Bytes of K/V one decode step must read (the floor's KV term): the attention parts of
+    step_parts, the selection's probability row aside (the shape arguments must be cfg's)."""
+    if (heads, dim, layers, loops) != (cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, cfg.num_loops):
+        raise ValueError("kv_read_bytes: heads, dim, layers and loops must be the model config's")
+    return sum(p["bytes"] for p in step_parts(name, b, s, cfg, 0.0, 0.0)
+               if p["bytes"] is not None and p["part"] not in ("projections", "loop 2 selection"))
 
 
 # The parts of a decode step, each with the profile buckets its kernels fall in and the bytes it
@@ -98,10 +88,8 @@ def step_parts(name: str, b: int, s: int, cfg, layer_weight_bytes: float, head_w
         ]
     else:
         parts.append({"part": "attention, every loop", "buckets": attn, "bytes": sum(kv(d) for d in range(loops)) * layers})
-    named = {x for p in parts for x in p["buckets"]}
     parts.append({"part": "writes, window reads, scans", "buckets": ("write", "read_bulk", "read", "scan"), "bytes": None})
     parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None})
-    assert not named & {"write", "read_bulk", "read", "scan", "inductor", "other"}
     return parts
 
 

@@ -8,7 +8,8 @@ packed attention bounds its in-flight key loop by both. ``torch.cummax`` / ``tor
 everything before (or after) its tile, a reduction over the other tiles one tile at a time (a
 chain of dependent L2 reads: at most MAX_TILES - 1 of them), plus a scan of the tile. Rows are
 prompts (at most the cache's length): tiles of 4096 positions keep that chain at 7 reads for a
-32K prompt, and the tile grows with the row past MIN_TILE * MAX_TILES positions.
+32K prompt; the tile grows with the row past MIN_TILE * MAX_TILES positions up to MAX_TILE, and
+longer rows take more tiles.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flashloop_compile.lowering.kernels.common import next_pow2, no_wrap
 __all__ = ["running_extrema", "MIN_TILE", "MAX_TILES", "MAX_TILE"]
 
 MIN_TILE = 4096  # positions per program (8 warps: 16 int64 values a thread)
-MAX_TILES = 16  # programs per row (the tile doubles past MIN_TILE * MAX_TILES positions)
+MAX_TILES = 16  # programs per row up to MAX_TILES * MAX_TILE positions
 MAX_TILE = 8192  # up to here (two int64 tiles of it are 128 registers a thread): longer rows take more tiles
 
 
@@ -90,9 +91,9 @@ def running_extrema(x: torch.Tensor, *, premax: bool = True, sufmin: bool = Fals
         block = min(max(MIN_TILE, next_pow2(-(-int(bound) // MAX_TILES))), MAX_TILE, max(16, next_pow2(int(bound))))
     elif block < 16 or block & (block - 1):
         raise ValueError(f"the running-extrema tile must be a power of two >= 16, got {block}")
-    dummy = out_max if out_max is not None else out_min
+    # the output not asked for is passed as the other one (its constexpr branch stores nothing)
     wrap(_running_extrema_kernel)[(B, triton.cdiv(T, block))](
-        x, out_max if premax else dummy, out_min if sufmin else dummy, T, x.stride(0), x.stride(1),
+        x, out_max if premax else out_min, out_min if sufmin else out_max, T, x.stride(0), x.stride(1),
         BLOCK=block, PREMAX=premax, SUFMIN=sufmin, num_warps=8,
     )
     return out_max, out_min
