@@ -155,13 +155,17 @@ def _write_flush_kernel(
                 for g in tl.static_range(NG):
                     # channels g*G .. g*G + G - 1 of the block's rows (whole rows of k/v or the ring,
                     # loaded contiguously) as even/odd halves [G, G/2]: pair i's two codes make byte i.
-                    # One V group per row exactly; K groups are per channel.
+                    # One V group per row exactly; K groups are per channel. K's and V's loads (and
+                    # their predecessors') are issued together, before either is reduced or stored:
+                    # a program keeps both in flight (a 32K site at depth 1 1.126 -> 1.051 ms)
                     ch = g * G + tl.arange(0, G)
                     i = g * HG + tl.arange(0, HG)
-                    # K: one group per channel over the block's active rows
                     x = tl.where(mc, tl.load(xk_rows + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
                                  tl.load(k_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
                     xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
+                    y = tl.where(mc, tl.load(xv_rows + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
+                                 tl.load(v_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
+                    ye, yo = tl.split(tl.reshape(y, [G, HG, 2]))
                     if not BASE:
                         # the predecessor (depth - 1): every active row lies below flushed[d-1] (the
                         # flush's target), where base + residuals 1..d-1 are present exactly where the
@@ -170,6 +174,11 @@ def _write_flush_kernel(
                                            (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
                         xe = xe - re_
                         xo = xo - ro_
+                        re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
+                                           D, G, G, PRED, g)
+                        ye = ye - re_
+                        yo = yo - ro_
+                    # K: one group per channel over the block's active rows
                     mne, sce = _params(tl.min(tl.where(am, xe, float("inf")), 0), tl.max(tl.where(am, xe, float("-inf")), 0))
                     mno, sco = _params(tl.min(tl.where(am, xo, float("inf")), 0), tl.max(tl.where(am, xo, float("-inf")), 0))
                     kbyte = (_codes(xe, mne[None, :], sce[None, :]) | (_codes(xo, mno[None, :], sco[None, :]) << 4)).to(tl.uint8)
@@ -188,16 +197,8 @@ def _write_flush_kernel(
                         tl.store(k_res_scale + kpp, sce)
                         tl.store(k_res_scale + kpp + 1, sco)
                     # V: one group per row over these G channels
-                    x = tl.where(mc, tl.load(xv_rows + ch[None, :] * sv_d, mask=mc, other=0.0).to(tl.float32),
-                                 tl.load(v_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
-                    xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
-                    if not BASE:
-                        re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
-                                           D, G, G, PRED, g)
-                        xe = xe - re_
-                        xo = xo - ro_
-                    vmn, vsc = _params(tl.minimum(tl.min(xe, 1), tl.min(xo, 1)), tl.maximum(tl.max(xe, 1), tl.max(xo, 1)))
-                    vbyte = (_codes(xe, vmn[:, None], vsc[:, None]) | (_codes(xo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
+                    vmn, vsc = _params(tl.minimum(tl.min(ye, 1), tl.min(yo, 1)), tl.maximum(tl.max(ye, 1), tl.max(yo, 1)))
+                    vbyte = (_codes(ye, vmn[:, None], vsc[:, None]) | (_codes(yo, vmn[:, None], vsc[:, None]) << 4)).to(tl.uint8)
                     if BASE:
                         tl.store(v_base + (bh * S + p)[:, None] * HD + i[None, :], vbyte)
                         tl.store(v_base_min + (bh * S + p) * NG + g, vmn)
@@ -326,8 +327,12 @@ def _write_tail_kernel(
 # groups) at depth 1, which keeps every row; at depths >= 2 about the rows of a 64-row group that
 # token-sparse prefill keeps at its default retention (a quarter at depth 2, a tenth after). One
 # 32K site on an H100, each depth alone (RESULTS.md "The packed write, one site", 2026-12-05):
-# depth 2 0.917 ms at 16 against 1.036 at 8; depth 3 0.645 at 8 against 0.754 at 16. The flush
-# runs 4 warps at every depth (depths 0-1: 0.632 / 1.179 ms against 0.684 / 1.310 at 8 warps).
+# depth 2 0.917 ms at 16 against 1.036 at 8; depth 3 0.645 at 8 against 0.754 at 16. Whole groups
+# (depths 0-1) run on 4 warps (0.632 / 1.179 ms against 0.684 / 1.310 at 8 warps, 0.863 / 1.410
+# at 2); active-row tiles on one warp: a tile is a few rows, and a program's time is its chain of
+# dependent loads, so what counts is programs in flight per SM (8 at one warp and ~245 registers
+# against 2 at four): depth 2 0.898 -> 0.579 ms, depth 3 0.642 -> 0.347 (2 warps: 0.688 / 0.428;
+# 2026-12-06, H100, benchmarks/results/2026-12-06/packed-write-ab/wsite.py).
 ACTIVE_ROWS_TILE = {2: 16, 3: 8}
 
 
@@ -387,7 +392,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
         wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, RT=0, **meta, num_warps=2)
-    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=4)
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=(1 if rt else 4))
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
