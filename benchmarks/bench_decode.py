@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     OUT, Deadline, GpuSampler, bucket, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text,
-    graph_replay_ms, kernel_profile, print_profile, record, sync,
+    graph_replay_ms, kernel_profile, part_table, print_parts, print_profile, record, sync,
 )
 
 CONFIGS = {
@@ -91,35 +91,6 @@ def step_parts(name: str, b: int, s: int, cfg, layer_weight_bytes: float, head_w
     parts.append({"part": "writes, window reads, scans", "buckets": ("write", "read_bulk", "read", "scan"), "bytes": None})
     parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None})
     return parts
-
-
-def part_table(parts: list[dict], profile: dict, gbs: float) -> list[dict]:
-    """Each part's device ms and launches per step from the profile's buckets, its byte floor at
-    ``gbs`` and the share of it reached; then the attention as a whole (every part with a floor
-    but the projections)."""
-    buckets = profile.get("buckets", {})
-    rows = []
-    for p in parts:
-        ms = sum(buckets.get(x, {}).get("ms", 0.0) for x in p["buckets"])
-        launches = sum(buckets.get(x, {}).get("launches", 0.0) for x in p["buckets"])
-        floor = None if p["bytes"] is None else p["bytes"] / (gbs * 1e9) * 1e3
-        rows.append({"part": p["part"], "buckets": list(p["buckets"]), "ms": ms, "launches": launches,
-                     "bytes": p["bytes"], "floor_ms": floor, "share_of_floor": (floor / ms) if floor and ms else None})
-    att = [r for r in rows if r["floor_ms"] is not None and r["part"] != "projections"]
-    ms = sum(r["ms"] for r in att)
-    floor = sum(r["floor_ms"] for r in att)
-    rows.append({"part": "attention as a whole", "buckets": [x for r in att for x in r["buckets"]], "ms": ms,
-                 "launches": sum(r["launches"] for r in att), "bytes": sum(r["bytes"] for r in att), "floor_ms": floor,
-                 "share_of_floor": floor / ms if ms else None})
-    return rows
-
-
-def print_parts(rows: list[dict]) -> None:
-    print(f"    {'part':<32} {'ms':>8} {'floor ms':>9} {'share':>6} {'launches':>9}", flush=True)
-    for r in rows:
-        fl = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':>9}"
-        sh = f"{r['share_of_floor']:6.0%}" if r["share_of_floor"] is not None else f"{'':>6}"
-        print(f"    {r['part']:<32} {r['ms']:8.3f} {fl} {sh} {r['launches']:9.1f}", flush=True)
 
 
 def fill_caches(model, context: int) -> None:

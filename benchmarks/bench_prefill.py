@@ -8,6 +8,10 @@ flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak mem
     python benchmarks/bench_prefill.py --shapes 1x8192,1x32768 --deadline 480
     python benchmarks/bench_prefill.py --shapes 1x32768 --configs dense,all_on --profile 1   # device time per kernel family
 
+Each row records the FLOPs of useful work its configuration must do (``prefill_parts``) and the
+TFLOP/s reached; with ``--profile`` also every part of the prefill against its floor (FLOPs at the
+matrix-multiply rate, bytes at the copy bandwidth, both measured in the run) and the share reached.
+
 The prompt is fresh (positions 0..T-1): the model is traced without ``input_pos``, as the engine
 calls a prompt's first chunk, so the backend's default (``compilation.position_attention``) runs
 the dense loops' attention as causal SDPA over the prompt's own K/V (FlashAttention: bucket
@@ -38,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Deadline, capture_graph, compile_variant, cuda_time_ms, device, error_text, kernel_profile, print_profile, record, sync,
+    Deadline, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text, kernel_profile,
+    matmul_tflops, part_table, print_parts, print_profile, record, sync,
 )
 
 CONFIGS = {
@@ -62,6 +67,62 @@ TRACES = {"dense_causal": "causal", "dense_position": "positions", "token_sparse
 
 # dense computed another way: each is checked against dense's output when both run
 EXACT_DENSE = ("dense_causal", "dense_position", "dense_masked")
+
+
+# The parts of a prefill (issue 32's table), each with the profile buckets its kernels fall in
+# and its floor: the work it must do at the matrix-multiply rate of the run (projections: every
+# decoder layer's linears over the rows a loop computes, lm_head over every token, as the traced
+# graph computes logits for the whole prompt; attention: 4 * D FLOPs per query head and visible
+# key, causal) or the bytes it must move at the copy bandwidth (the packed write: each written
+# row's K/V read once in BF16 and its codes and parameters written, the predecessor's codes and
+# parameters read at depth d > 0: (2 + 0.5625 (1 + d)) bytes per value, d = the loop's depth).
+# A token-sparse loop computes the nested top-k of the prompt's rows (FlashLoopConfig's budgets);
+# its attention counts each active query's causal keys as (T + 1) / 2 on average, which holds
+# for active positions spread over the prompt (the selection decides; the bench does not read it).
+PACKED_WRITE_BYTES = 0.5 + 2 * 2 / 64  # per value: a 4-bit code plus FP16 minimum and scale per 64 values
+
+
+def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_params: int) -> list[dict]:
+    """[{part, buckets, flops, bytes}] of one prefill of config ``name``: b prompts of t tokens."""
+    from flashloop_compile.config import FlashLoopConfig
+
+    conf = FlashLoopConfig.from_dict({k: v for k, v in CONFIGS[name].items() if not k.startswith("compilation.")})
+    tsp, quant = conf.token_sparse_prefill, conf.kv_residual_quantization.enabled
+    loops, layers = cfg.num_loops, cfg.num_hidden_layers
+    rows = list(tsp.budgets(t)) if tsp.enabled else [t] * loops  # rows each loop computes, per prompt
+    pair_flops = 4 * cfg.head_dim * cfg.num_attention_heads  # per (query, visible key), QK and PV
+    causal = t * (t + 1) / 2
+
+    def attn_flops(n: int) -> float:  # n of the t rows active: every row at t, the mean (t + 1) / 2 below
+        return b * layers * pair_flops * (causal if n == t else n * (t + 1) / 2)
+
+    parts = [{"part": "projections", "buckets": ("GEMM",), "bytes": None,
+              "flops": 2 * b * (linear_params * sum(rows) + head_params * t)}]
+    dense_loops = [r for r in range(loops) if rows[r] == t]
+    sparse_loops = [r for r in range(loops) if rows[r] < t]
+    if TRACES.get(name, "fresh") == "fresh" and sparse_loops:  # fresh prompt: full loops on SDPA
+        parts += [
+            {"part": f"attention, loops 1-{len(dense_loops)} (causal SDPA)", "buckets": ("sdpa",), "bytes": None,
+             "flops": sum(attn_flops(rows[r]) for r in dense_loops)},
+            {"part": f"attention, loops {len(dense_loops) + 1}-{loops} (token-sparse)",
+             "buckets": ("prefill_attn", "packed_attn"), "bytes": None,
+             "flops": sum(attn_flops(rows[r]) for r in sparse_loops)},
+        ]
+    else:
+        parts.append({"part": "attention, every loop", "buckets": ("sdpa", "prefill_attn", "packed_attn"), "bytes": None,
+                      "flops": sum(attn_flops(n) for n in rows)})
+    if quant:
+        values = 2 * b * cfg.num_key_value_heads * cfg.head_dim * layers  # K and V of one row, every layer
+        parts.append({"part": "packed write, reads, scans", "buckets": ("write", "read_bulk", "read", "scan"),
+                      "bytes": sum(rows[d] * values * (2 + PACKED_WRITE_BYTES * (1 + d)) for d in range(loops)),
+                      "flops": None})
+    parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None, "flops": None})
+    return parts
+
+
+def useful_flops(parts: list[dict]) -> float:
+    """FLOPs a prefill must do: its parts' (projections and attention)."""
+    return sum(p["flops"] or 0.0 for p in parts)
 
 
 @contextlib.contextmanager
@@ -106,6 +167,11 @@ def main() -> None:
 
     model = OuroForCausalLM.from_preset(args.preset, dtype=getattr(torch, args.dtype), device=device()).eval()
     cfg = model.config
+    # the floors' rates, measured in this run: matrix-multiply TFLOP/s and copy bandwidth
+    tflops_peak, gbs = matmul_tflops(), copy_bandwidth_gbs()
+    record("prefill", {"kind": "rates", "matmul_tflops": tflops_peak, "copy_gbs": gbs})
+    linear_params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    head_params = model.lm_head.weight.numel()
     for shape in args.shapes.split(","):
         b, t = map(int, shape.split("x"))
         if not deadline.allows(150):
@@ -182,6 +248,12 @@ def main() -> None:
                 continue
             ms = timing["median_ms"]
             prof = kernel_profile(run, run, args.profile, ms) if args.profile else None
+            parts = prefill_parts(name, b, t, cfg, linear_params, head_params)
+            work = useful_flops(parts)
+            table = None
+            if prof and "error" not in prof:
+                names = tuple(p["part"] for p in parts)
+                table = part_table(parts, prof, gbs, tflops_peak, whole="prefill as a whole", whole_parts=names)
             if name == "dense":
                 dense_ms = ms
             if name == "dense_causal":
@@ -191,11 +263,18 @@ def main() -> None:
                 "ms": ms, "p10_ms": timing["p10_ms"], "p90_ms": timing["p90_ms"],
                 "speedup_vs_dense": (dense_ms / ms) if dense_ms else None,
                 "speedup_vs_dense_causal": (causal_ms / ms) if causal_ms else None, "peak_memory_gb": peak,
+                "useful_tflop": work / 1e12, "tflops": work / (ms * 1e-3) / 1e12,
                 "trace": TRACES.get(name, "fresh"), "trace_s": trace_s, "compile_s": compile_s, "report": str(report), **check,
-                **({"profile": prof} if prof else {}),
+                **({"profile": prof} if prof else {}), **({"parts": table} if table else {}),
             })
+            print(f"  {name} {shape}: {ms:.1f} ms, {work / 1e12:.4g} TFLOP of useful work at {work / (ms * 1e-3) / 1e12:.4g} "
+                  f"TFLOP/s", flush=True)
             if prof:
                 print_profile(name, shape, prof)
+            if table:
+                print(f"  parts {name} {shape}: floors at {tflops_peak:.4g} TFLOP/s (matrix multiply) and {gbs:.0f} GB/s "
+                      f"(copy), both measured in this run", flush=True)
+                print_parts(table)
             del fn, graph, graph_inputs
         del traces
     print("done", flush=True)

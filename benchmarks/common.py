@@ -126,6 +126,56 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     return 2 * (nbytes // 2) / (t * 1e-3) / 1e9
 
 
+def matmul_tflops(n: int = 8192) -> float:
+    """Dense BF16 matrix-multiply throughput (an n x n x n product, TFLOP/s): the FLOP floor's
+    rate, measured like the copy bandwidth in the run that uses it (float32 and n = 256 on CPU)."""
+    if not torch.cuda.is_available():
+        n = 256
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=device())
+    b = torch.randn(n, n, dtype=dtype, device=device())
+    t = cuda_time_ms(lambda: a @ b, warmup=3, repeat=10)["median_ms"]
+    del a, b
+    return 2 * n**3 / (t * 1e-3) / 1e12
+
+
+def part_table(parts: list[dict], profile: dict, gbs: float, tflops: float | None = None, *,
+               whole: str = "attention as a whole", whole_parts: tuple[str, ...] | None = None) -> list[dict]:
+    """Each part's device ms and launches from the profile's buckets, its floor (``bytes`` at
+    ``gbs`` GB/s or ``flops`` at ``tflops`` TFLOP/s) and the share of it reached; then a row
+    ``whole`` over ``whole_parts`` (default: every part with a floor but the projections)."""
+    buckets = profile.get("buckets", {})
+    rows = []
+    for p in parts:
+        ms = sum(buckets.get(x, {}).get("ms", 0.0) for x in p["buckets"])
+        launches = sum(buckets.get(x, {}).get("launches", 0.0) for x in p["buckets"])
+        flops = p.get("flops")
+        floor = (p["bytes"] / (gbs * 1e9) * 1e3 if p["bytes"] is not None
+                 else flops / (tflops * 1e12) * 1e3 if flops is not None and tflops else None)
+        rows.append({"part": p["part"], "buckets": list(p["buckets"]), "ms": ms, "launches": launches,
+                     "bytes": p["bytes"], "flops": flops, "floor_ms": floor,
+                     "share_of_floor": (floor / ms) if floor and ms else None})
+    if whole_parts is None:
+        sel = [r for r in rows if r["floor_ms"] is not None and r["part"] != "projections"]
+    else:
+        sel = [r for r in rows if r["part"] in whole_parts]
+    ms = sum(r["ms"] for r in sel)
+    floor = sum(r["floor_ms"] or 0.0 for r in sel)
+    rows.append({"part": whole, "buckets": [x for r in sel for x in r["buckets"]], "ms": ms,
+                 "launches": sum(r["launches"] for r in sel), "bytes": sum(r["bytes"] or 0.0 for r in sel),
+                 "flops": sum(r["flops"] or 0.0 for r in sel), "floor_ms": floor,
+                 "share_of_floor": floor / ms if ms else None})
+    return rows
+
+
+def print_parts(rows: list[dict]) -> None:
+    print(f"    {'part':<40} {'ms':>9} {'floor ms':>9} {'share':>6} {'launches':>9}", flush=True)
+    for r in rows:
+        fl = f"{r['floor_ms']:9.3f}" if r["floor_ms"] is not None else f"{'':>9}"
+        sh = f"{r['share_of_floor']:6.0%}" if r["share_of_floor"] is not None else f"{'':>6}"
+        print(f"    {r['part']:<40} {r['ms']:9.3f} {fl} {sh} {r['launches']:9.1f}", flush=True)
+
+
 GPU_QUERY = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
 

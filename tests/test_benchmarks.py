@@ -6,7 +6,8 @@ enabled (training graphs: saved activations and a copy of every mutated cache).
 bench_generate.py: its work order and its items' memory bookkeeping. On the H200 its max-batch
 search ran between the shapes and every later item ran out of memory (memory was not released).
 
-bench_decode.py --profile: the per-kernel breakdown's buckets and its row (CPU op self time here)."""
+bench_decode.py --profile: the per-kernel breakdown's buckets and its row (CPU op self time here).
+bench_prefill.py: the work each configuration must do (its parts' FLOPs and bytes)."""
 
 import json
 import os
@@ -21,10 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_decode  # noqa: E402
 import bench_generate  # noqa: E402
+import bench_prefill  # noqa: E402
 import bench_snapshot  # noqa: E402
 import common  # noqa: E402
 from common import capture_graph, compile_variant  # noqa: E402
 
+from flashloop_compile.config import FlashLoopConfig  # noqa: E402
 from flashloop_compile.models.ouro import OuroForCausalLM  # noqa: E402
 
 
@@ -283,3 +286,48 @@ def test_snapshot_bench_on_cpu_moves_one_row_exactly_and_counts_its_bytes():
     dense, packed = (bench_snapshot.measure("tiny", torch.float32, name, 192) for name in ("dense", "all_on"))
     assert dense["row_bytes"] == 2 * 4 * 2 * 2 * 192 * 64 * 4  # K and V of R x N sites, H=2, 192 tokens, D=64, fp32
     assert 0 < packed["row_bytes"] <= packed["encoded_bytes"] and dense["row_bytes"] <= dense["encoded_bytes"]
+
+
+def test_prefill_parts_count_each_configs_work():
+    """Dense does every loop's projections over every row and causal attention at every loop;
+    token-sparse prefill computes its budgets' rows at loops 3..R with the attention split between
+    SDPA (loops 1-2) and the token-sparse kernels; quantization adds the packed write's bytes."""
+    model = OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0)
+    cfg = model.config
+    lin, head = 1000, 10
+    b, t = 2, 100
+    loops, layers = cfg.num_loops, cfg.num_hidden_layers
+    pair = 4 * cfg.head_dim * cfg.num_attention_heads
+    dense = {p["part"]: p for p in bench_prefill.prefill_parts("dense", b, t, cfg, lin, head)}
+    assert dense["projections"]["flops"] == 2 * b * (lin * t * loops + head * t)
+    assert dense["attention, every loop"]["flops"] == b * layers * loops * pair * t * (t + 1) / 2
+    assert "packed write, reads, scans" not in dense
+    budgets = FlashLoopConfig.all_on().token_sparse_prefill.budgets(t)  # [100, 100, 25, 10]
+    for name in ("token_sparse", "all_on"):
+        parts = {p["part"]: p for p in bench_prefill.prefill_parts(name, b, t, cfg, lin, head)}
+        assert parts["projections"]["flops"] == 2 * b * (lin * sum(budgets) + head * t)
+        assert parts["attention, loops 1-2 (causal SDPA)"]["buckets"] == ("sdpa",)
+        assert parts["attention, loops 1-2 (causal SDPA)"]["flops"] == b * layers * 2 * pair * t * (t + 1) / 2
+        sparse = parts[f"attention, loops 3-{loops} (token-sparse)"]
+        assert sparse["flops"] == b * layers * pair * sum(budgets[2:]) * (t + 1) / 2
+        assert bench_prefill.useful_flops(list(parts.values())) < bench_prefill.useful_flops(list(dense.values()))
+    write = {p["part"]: p for p in bench_prefill.prefill_parts("all_on", b, t, cfg, lin, head)}["packed write, reads, scans"]
+    row = 2 * b * cfg.num_key_value_heads * cfg.head_dim * layers
+    assert write["bytes"] == sum(n * row * (2 + 0.5625 * (1 + d)) for d, n in enumerate(budgets))
+    # traced at given positions every site runs one kernel family: one attention part
+    pos = {p["part"] for p in bench_prefill.prefill_parts("token_sparse_position", b, t, cfg, lin, head)}
+    assert "attention, every loop" in pos
+
+
+def test_part_table_floors_from_bytes_or_flops():
+    parts = [{"part": "projections", "buckets": ("GEMM",), "bytes": None, "flops": 2e12},
+             {"part": "write", "buckets": ("write",), "bytes": 3e9, "flops": None},
+             {"part": "glue", "buckets": ("inductor",), "bytes": None, "flops": None}]
+    prof = {"buckets": {"GEMM": {"ms": 4.0, "launches": 10}, "write": {"ms": 2.0, "launches": 3},
+                        "inductor": {"ms": 1.0, "launches": 7}}}
+    rows = {r["part"]: r for r in common.part_table(parts, prof, 3000.0, 1000.0, whole="all",
+                                                    whole_parts=("projections", "write", "glue"))}
+    assert rows["projections"]["floor_ms"] == 2.0 and rows["projections"]["share_of_floor"] == 0.5
+    assert rows["write"]["floor_ms"] == 1.0 and rows["write"]["share_of_floor"] == 0.5
+    assert rows["glue"]["floor_ms"] is None and rows["glue"]["share_of_floor"] is None
+    assert rows["all"]["ms"] == 7.0 and rows["all"]["floor_ms"] == 3.0 and rows["all"]["launches"] == 20
