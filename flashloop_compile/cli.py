@@ -778,7 +778,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     report = quality_table(model, configs, settings, corpus=_quality_corpus(args), model_name=name,
                            retrieval=args.trials > 0 and bool(settings.depths), max_seconds=args.max_seconds,
-                           progress=lambda m: print(m, flush=True), on_config=save_partial)
+                           progress=lambda m: print(m, flush=True), on_config=save_partial, engine=args.engine)
     _write_outputs(args, report.to_json(), report.to_markdown(title))
     return 0
 
@@ -878,6 +878,9 @@ def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
     e.add_argument("--n-boot", type=int, default=1000)
     e.add_argument("--max-seconds", type=float, default=None, help="skip the configs that would not finish within this budget")
     e.add_argument("--split", default="heldout", choices=["heldout", "train"])
+    e.add_argument("--engine", default="reference", choices=["reference", "compiled"],
+                   help="reference: the explicit reference (any device, slow); compiled: the production path, each "
+                        "config's compiled engine (the kernels users run; on CPU the Triton interpreter)")
     outputs(e)
     e.set_defaults(func=cmd_eval)
 

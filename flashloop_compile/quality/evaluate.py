@@ -1,7 +1,10 @@
-"""Quality of FlashLoop configurations against dense, with uncertainty, through the reference.
+"""Quality of FlashLoop configurations against dense, with uncertainty.
 
-Every number here comes from :class:`~flashloop_compile.reference.ReferenceFlashLoop` (the
-explicit eager FlashLoop), one request per document, on the model's device.
+Every number comes from one request per document, on the model's device, through one of two
+engines (``quality_table(engine=...)``, ``flashloop-compile eval --engine``):
+:class:`~flashloop_compile.reference.ReferenceFlashLoop` (the explicit eager FlashLoop, the
+default) or :class:`CompiledEngine` (the production path: each config's compiled engine, whose
+decode runs one compiled step per token; test_evaluate checks it scores what the reference does).
 
 Perplexity (held-out documents, one window per document). A document of at least C + M tokens
 (BOS, then its bytes) is prefilled with its first C tokens, then its next M - 1 tokens are fed
@@ -49,6 +52,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -206,6 +210,54 @@ def new_request(engine):
     if type(st) is QuantizedKVStore and not st.blocks[0] and st.tail_k[0][0] is None:
         req.store = MemoizedQuantizedKVStore(len(st.blocks), st.num_depths, st.group_size, st.tail_min)
     return req
+
+
+class CompiledEngine:
+    """The production path behind the reference's request interface: the compiled
+    :class:`~flashloop_compile.runtime.engine.Engine` of ``config`` (one row, caches of ``max_seq``
+    positions, rounded up to whole quantization groups), so the harness measures the kernels users run. A request prefills its prompt (the
+    logits of every prompt token, one compiled forward) and decodes tokens teacher-forced, one
+    compiled decode step each (on CUDA a CUDA-graph replay)."""
+
+    def __init__(self, model, config: FlashLoopConfig, max_seq: int, *, backend: Any = None) -> None:
+        from flashloop_compile.runtime.engine import Engine
+
+        quant = config.kv_residual_quantization
+        if quant.enabled:  # the packed cache holds whole groups of positions
+            max_seq = -(-max_seq // quant.group_size) * quant.group_size
+        self.model = model
+        self.engine = Engine(model, config, max_batch=1, max_seq=max_seq, backend=backend)
+
+    def request(self) -> "CompiledRequest":
+        return CompiledRequest(self.engine)
+
+
+class CompiledRequest:
+    """One prompt through a :class:`CompiledEngine` (``prefill`` once, then ``decode``)."""
+
+    store = None  # the reference's quantized store (new_request memoizes it): none here
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.pos = 0
+
+    def prefill(self, tokens: Tensor) -> SimpleNamespace:
+        logits = self.engine.prefill([tokens], all_logits=True)[0]
+        self.pos = tokens.numel()
+        return SimpleNamespace(logits=logits)
+
+    def decode(self, tokens: Tensor) -> SimpleNamespace:
+        if self.pos == 0:
+            raise RuntimeError("decode before prefill: a compiled request starts with its prompt")
+        rows = []
+        for tok in tokens.reshape(-1):
+            pos = torch.tensor([self.pos], device=self.engine.device)
+            rows.append(self.engine.decode(tok.reshape(1), pos)[0].float().clone())  # a graph's output is reused
+            self.pos += 1
+        return SimpleNamespace(logits=torch.stack(rows))
+
+
+ENGINES = ("reference", "compiled")
 
 
 @dataclass
@@ -422,7 +474,8 @@ class QualityReport:
         out = [f"### {title}", ""]
         out.append(
             f"Model: {self.model.get('name', '?')} ({self.model.get('layers')} layers x {self.model.get('loops')} loops, "
-            f"hidden {self.model.get('hidden')}); held-out documents: {s['docs']} per context; reference FlashLoop "
+            f"hidden {self.model.get('hidden')}); held-out documents: {s['docs']} per context; "
+            f"{'the compiled engine' if s.get('engine') == 'compiled' else 'reference FlashLoop'} "
             f"({self.model.get('dtype')}, {self.model.get('device')}). Deltas vs dense with 95% paired bootstrap CIs "
             f"({s['n_boot']} resamples over documents / trials)."
         )
@@ -526,8 +579,12 @@ def quality_table(
     max_seconds: float | None = None,
     progress: Callable[[str], None] | None = None,
     on_config: Callable[[QualityReport], None] | None = None,
+    engine: str = "reference",
 ) -> QualityReport:
     """Evaluate every config (dense included, as the base) and build the table.
+
+    ``engine``: "reference" (the explicit reference, ReferenceFlashLoop) or "compiled" (the
+    production path: each config's compiled Engine, :class:`CompiledEngine`).
 
     ``documents`` maps a context length to token sequences of at least context + continuation
     tokens; by default the first ``settings.docs`` long-enough held-out documents of ``corpus``.
@@ -539,6 +596,8 @@ def quality_table(
     """
     from flashloop_compile.reference import ReferenceFlashLoop
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     settings = settings or EvalSettings()
     say = progress or (lambda msg: None)
     configs = dict(configs)
@@ -558,6 +617,10 @@ def quality_table(
     report = QualityReport(asdict(settings), _model_info(model, model_name),
                            {n: c.resolve(num_loops).to_dict() for n, c in configs.items()})
     cases = retrieval_cases(fillers, settings, tok) if retrieval and settings.depths and settings.retrieval_trials else {}
+    # a compiled engine's caches hold the longest prompt plus what is decoded after it
+    max_seq = max([c + settings.continuation for c in documents]
+                  + [case.tokens.numel() + settings.value_len for cs in cases.values() for case in cs] + [2])
+    report.settings["engine"] = engine
 
     t_start = time.perf_counter()
     configs = {"dense": configs.pop("dense"), **configs}
@@ -569,15 +632,15 @@ def quality_table(
                 report.skipped.append(name)
                 say(f"skipped {name}: the {max_seconds:.0f} s budget would be exceeded")
                 continue
-        engine = ReferenceFlashLoop(model, cfg)
+        runner = ReferenceFlashLoop(model, cfg) if engine == "reference" else CompiledEngine(model, cfg, max_seq)
         for c, docs in documents.items():
-            scores = [score_document(engine, d, c, settings.continuation) for d in docs]
+            scores = [score_document(runner, d, c, settings.continuation) for d in docs]
             report.perplexity.setdefault(str(c), {})[name] = {
                 "cont_nll": [s.cont_nll for s in scores], "cont_n": [s.cont_n for s in scores],
                 "prefill_nll": [s.prefill_nll for s in scores], "prefill_n": [s.prefill_n for s in scores],
             }
         for depth, cs in cases.items():
-            res = [run_retrieval_case(engine, case) for case in cs]
+            res = [run_retrieval_case(runner, case) for case in cs]
             report.retrieval.setdefault(str(depth), {})[name] = {
                 "exact": [r[0] for r in res], "chars": [r[1] for r in res], "needle_pos": [case.needle_pos for case in cs],
             }

@@ -363,8 +363,12 @@ class Engine(Generation):
             compiled = self.compiled if compiled is None else compiled
             return compiled(ids) if pos is None else compiled(ids, pos)
 
-    def prefill(self, prompts: list[Tensor], *, cached: Sequence[int] | None = None) -> Tensor:
+    def prefill(self, prompts: list[Tensor], *, cached: Sequence[int] | None = None, all_logits: bool = False) -> Tensor:
         """Prefill every prompt (rows = slots 0..B-1); the logits of each prompt's last token [B, V].
+
+        ``all_logits``: the logits of every prefilled token instead, [B, T, V] (float32; row i's
+        first ``len(prompts[i]) - cached[i]`` positions are its tokens, the rest padding), as a
+        perplexity over the prompt needs (quality/evaluate.py).
 
         ``cached[i]`` (default 0): the first tokens of prompt i that row i's cache already holds
         (copied there by ``reuse_prefix``, restored, or left by the row's own forwards); only the
@@ -395,6 +399,7 @@ class Engine(Generation):
             self.packed.reset(torch.tensor([i for i, c in enumerate(starts) if c == 0]))  # fresh prompts: empty slots
         chunk = self.prefill_chunk or t
         last = torch.empty(b, self.model.config.vocab_size, device=self.device)
+        every = []
         for start in range(0, t, chunk):
             end = min(start + chunk, t)
             valid = [min(n, c + end) for n, c in zip(lengths, starts)]
@@ -402,11 +407,13 @@ class Engine(Generation):
             # a fresh prompt's first chunk has its own graph; later chunks attend a stored prefix
             chunk_pos = None if start == 0 and not any(starts) else pos[:, start:end].contiguous()
             logits = self._forward(ids[:, start:end].contiguous(), chunk_pos, valid, last_pos, dynamic=True)
+            if all_logits:
+                every.append(logits.float())
             for i, (n, c) in enumerate(zip(lengths, starts)):
                 if c + start < n <= c + end:
                     last[i] = logits[i, n - 1 - c - start].float()
         self._lengths[:b] = lengths
-        return last
+        return torch.cat(every, 1) if all_logits else last
 
     def _cached_starts(self, cached: Sequence[int] | None, lengths: list[int]) -> list[int]:
         """Each prompt's first position to prefill: ``cached`` checked against the rows (see prefill)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flashloop_compile.cli import main
+from flashloop_compile.cli import build_parser, main
 from flashloop_compile.config import FlashLoopConfig
 
 
@@ -39,6 +39,9 @@ def test_eval_cli(tmp_path, capsys):
     assert "| `tsp@keep_last` |" in out and md.read_text().startswith("### Quality vs dense: tiny")
     data = json.loads(js.read_text())
     assert [r["config"] for r in data["rows"]] == ["dense", "all-on", "tsp@keep_last"]
+    assert data["settings"]["engine"] == "reference" and "reference FlashLoop" in md.read_text()
+    # --engine compiled: each config's compiled engine (tests/quality/test_evaluate.py runs it)
+    assert build_parser().parse_args(["eval", "--preset", "tiny", "--engine", "compiled"]).engine == "compiled"
 
 
 def test_redundancy_cli(tmp_path, capsys):

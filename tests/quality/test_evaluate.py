@@ -167,3 +167,32 @@ def test_quality_table_time_budget_skips_configs(tiny_model):
     report = quality_table(tiny_model, parse_configs(["tsp", "sda"]), settings, corpus=Corpus(), max_seconds=0.0)
     assert [r["config"] for r in report.rows] == ["dense"] and report.skipped == ["tsp", "sda"]
     assert "Not evaluated (time budget)" in report.to_markdown()
+
+
+@pytest.mark.parametrize("name", ["dense", "all-on"])
+def test_compiled_engine_scores_and_retrieves_what_the_reference_does(name):
+    # the production path behind the harness's request interface: the same document scores
+    # (prompt and continuation NLL) and the same retrieval answer as the explicit reference.
+    # Inductor is swapped for eager execution of the rewritten graph (the flashloop ops run
+    # their kernels either way) so that the test does not spend minutes compiling
+    from flashloop_compile.backend import make_backend
+    from flashloop_compile.models.ouro import OuroForCausalLM
+    from flashloop_compile.quality.evaluate import CompiledEngine
+
+    cfg = named_config(name)
+    reference = ReferenceFlashLoop(OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0).eval(), cfg)
+    torch._dynamo.reset()
+    model = OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0).eval()
+    compiled = CompiledEngine(model, cfg, max_seq=224, backend=make_backend(cfg, inner="eager"))
+    tokens = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(5))
+    want, got = score_document(reference, tokens, 150, 20), score_document(compiled, tokens, 150, 20)
+    assert (got.prefill_n, got.cont_n) == (want.prefill_n, want.cont_n) == (149, 20)
+    assert got.prefill_nll == pytest.approx(want.prefill_nll, rel=1e-4)
+    assert got.cont_nll == pytest.approx(want.cont_nll, rel=1e-4)
+    case = build_retrieval_case(FILLER, 192, 0.5, random.Random(2), ByteTokenizer(256))
+    answer = reference.greedy(case.tokens, 5).tolist()
+    hit = dataclasses.replace(case, value=bytes(answer).decode("latin-1"))
+    assert run_retrieval_case(compiled, hit) == (1, 1.0)
+    assert run_retrieval_case(compiled, hit, greedy=True) == (1, 1.0)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        quality_table(model, {}, engine="fast")
