@@ -764,7 +764,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     settings = EvalSettings(
         docs=args.docs, contexts=_ints(args.contexts), continuation=args.continuation,
         retrieval_context=args.retrieval_context, depths=_floats(args.depths), retrieval_trials=args.trials,
-        n_boot=args.n_boot, seed=args.seed, split=args.split,
+        n_boot=args.n_boot, seed=args.seed, split=args.split, agreement_docs=args.agreement_docs,
     )
     title = f"Quality vs dense: {name}"
 
@@ -881,6 +881,9 @@ def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
     e.add_argument("--engine", default="reference", choices=["reference", "compiled"],
                    help="reference: the explicit reference (any device, slow); compiled: the production path, each "
                         "config's compiled engine (the kernels users run; on CPU the Triton interpreter)")
+    e.add_argument("--agreement-docs", type=int, default=2,
+                   help="with --engine compiled: documents per context also run on the reference, for the table of "
+                        "compiled-vs-reference logits (token agreement, logit error; 0: none)")
     outputs(e)
     e.set_defaults(func=cmd_eval)
 

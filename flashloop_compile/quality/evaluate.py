@@ -5,6 +5,8 @@ engines (``quality_table(engine=...)``, ``flashloop-compile eval --engine``):
 :class:`~flashloop_compile.reference.ReferenceFlashLoop` (the explicit eager FlashLoop, the
 default) or :class:`CompiledEngine` (the production path: each config's compiled engine, whose
 decode runs one compiled step per token; test_evaluate checks it scores what the reference does).
+With the compiled engine the first ``agreement_docs`` documents of each context also run on the
+reference, and ``report.agreement`` compares every logits row (argmax agreement, logit error).
 
 Perplexity (held-out documents, one window per document). A document of at least C + M tokens
 (BOS, then its bytes) is prefilled with its first C tokens, then its next M - 1 tokens are fed
@@ -274,6 +276,7 @@ class EvalSettings:
     n_boot: int = 1000
     seed: int = 0
     split: str = "heldout"
+    agreement_docs: int = 2  # with the compiled engine: documents per context also run on the reference
 
     def __post_init__(self) -> None:
         self.contexts = tuple(int(c) for c in self.contexts)
@@ -325,6 +328,27 @@ def score_document(engine, tokens: Tensor, context: int, continuation: int) -> D
             cont.append(-logp2.gather(-1, tokens[context + 1 : context + continuation, None]).squeeze(-1))
         cont_t = torch.cat([c.reshape(-1) for c in cont])
     return DocScore(float(pre.sum()), int(pre.numel()), float(cont_t.sum()), int(cont_t.numel()))
+
+
+def document_logits(engine, tokens: Tensor, context: int, continuation: int) -> Tensor:
+    """Every logits row score_document reads ([context + continuation - 1, V], float32): the
+    prefill's rows, then the teacher-forced decode's."""
+    dev = model_device(engine.model)
+    tokens = tokens.to(dev)
+    with device_context(engine.model):
+        req = new_request(engine)
+        rows = [req.prefill(tokens[:context]).logits.float()]
+        if continuation > 1:
+            rows.append(req.decode(tokens[context : context + continuation - 1]).logits.float())
+    return torch.cat(rows)
+
+
+def logit_agreement(a: Tensor, b: Tensor) -> dict[str, float]:
+    """How far logits ``a`` (compiled) are from ``b`` (reference), both [N, V]: the share of rows
+    whose argmax agrees (%), the largest absolute difference, and that over b's largest magnitude."""
+    diff = (a - b).abs().max().item()
+    return {"token_agreement": 100.0 * (a.argmax(-1) == b.argmax(-1)).float().mean().item(), "max_abs_err": diff,
+            "max_rel_err": diff / max(b.abs().max().item(), 1e-12), "rows": int(a.shape[0])}
 
 
 # -- retrieval --------------------------------------------------------------------------------------
@@ -465,6 +489,8 @@ class QualityReport:
     rows: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    # compiled engine only: config -> context -> logit_agreement over the first agreement_docs documents
+    agreement: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -518,6 +544,17 @@ class QualityReport:
                 a = r["retrieval@all"]
                 cells += [f"{a['acc']:.1f}", _fmt_delta(a, "delta_pts", ""), f"{r['retrieval_chars']:.1f}"]
                 out.append("| " + " | ".join(cells) + " |")
+            out.append("")
+        if self.agreement:
+            out.append("The compiled engine against the reference on the same documents (every prefill and decode "
+                       "logits row): argmax agreement, largest absolute logit difference and that over the reference's "
+                       "largest logit.")
+            out.append("")
+            out += ["| config | context | docs | token agreement % | max abs err | max rel err |", "|---|---|---|---|---|---|"]
+            for name, per in self.agreement.items():
+                for c, a in per.items():
+                    out.append(f"| `{name}` | {c} | {a['docs']} | {a['token_agreement']:.2f} | {a['max_abs_err']:.3g} | "
+                               f"{a['max_rel_err']:.3g} |")
             out.append("")
         if self.skipped:
             out += [f"Not evaluated (time budget): {', '.join(f'`{n}`' for n in self.skipped)}.", ""]
@@ -635,6 +672,13 @@ def quality_table(
         runner = ReferenceFlashLoop(model, cfg) if engine == "reference" else CompiledEngine(model, cfg, max_seq)
         for c, docs in documents.items():
             scores = [score_document(runner, d, c, settings.continuation) for d in docs]
+            if engine == "compiled" and settings.agreement_docs > 0:
+                # compiled == reference at the model level, on a subset (the reference is slow)
+                sub = docs[: settings.agreement_docs]
+                ref = ReferenceFlashLoop(model, cfg)
+                got = torch.cat([document_logits(runner, d, c, settings.continuation) for d in sub])
+                want = torch.cat([document_logits(ref, d, c, settings.continuation) for d in sub])
+                report.agreement.setdefault(name, {})[str(c)] = {**logit_agreement(got, want), "docs": len(sub)}
             report.perplexity.setdefault(str(c), {})[name] = {
                 "cont_nll": [s.cont_nll for s in scores], "cont_n": [s.cont_n for s in scores],
                 "prefill_nll": [s.prefill_nll for s in scores], "prefill_n": [s.prefill_n for s in scores],

@@ -41,7 +41,8 @@ def test_eval_cli(tmp_path, capsys):
     assert [r["config"] for r in data["rows"]] == ["dense", "all-on", "tsp@keep_last"]
     assert data["settings"]["engine"] == "reference" and "reference FlashLoop" in md.read_text()
     # --engine compiled: each config's compiled engine (tests/quality/test_evaluate.py runs it)
-    assert build_parser().parse_args(["eval", "--preset", "tiny", "--engine", "compiled"]).engine == "compiled"
+    args = build_parser().parse_args(["eval", "--preset", "tiny", "--engine", "compiled", "--agreement-docs", "3"])
+    assert (args.engine, args.agreement_docs) == ("compiled", 3)
 
 
 def test_redundancy_cli(tmp_path, capsys):

@@ -169,30 +169,41 @@ def test_quality_table_time_budget_skips_configs(tiny_model):
     assert "Not evaluated (time budget)" in report.to_markdown()
 
 
-@pytest.mark.parametrize("name", ["dense", "all-on"])
-def test_compiled_engine_scores_and_retrieves_what_the_reference_does(name):
-    # the production path behind the harness's request interface: the same document scores
-    # (prompt and continuation NLL) and the same retrieval answer as the explicit reference.
-    # Inductor is swapped for eager execution of the rewritten graph (the flashloop ops run
+def test_compiled_engine_scores_and_retrieves_what_the_reference_does(monkeypatch):
+    # the production path behind the harness: quality_table(engine="compiled") gives the
+    # reference's perplexities and retrieval, and its agreement table shows compiled == reference
+    # logits. Inductor is swapped for eager execution of the rewritten graph (the flashloop ops run
     # their kernels either way) so that the test does not spend minutes compiling
     from flashloop_compile.backend import make_backend
     from flashloop_compile.models.ouro import OuroForCausalLM
-    from flashloop_compile.quality.evaluate import CompiledEngine
+    from flashloop_compile.quality import evaluate
 
-    cfg = named_config(name)
-    reference = ReferenceFlashLoop(OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0).eval(), cfg)
-    torch._dynamo.reset()
+    class EagerCompiledEngine(evaluate.CompiledEngine):
+        def __init__(self, model, config, max_seq):
+            torch._dynamo.reset()
+            super().__init__(model, config, max_seq, backend=make_backend(config, inner="eager"))
+
+    monkeypatch.setattr(evaluate, "CompiledEngine", EagerCompiledEngine)
     model = OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0).eval()
-    compiled = CompiledEngine(model, cfg, max_seq=224, backend=make_backend(cfg, inner="eager"))
-    tokens = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(5))
-    want, got = score_document(reference, tokens, 150, 20), score_document(compiled, tokens, 150, 20)
-    assert (got.prefill_n, got.cont_n) == (want.prefill_n, want.cont_n) == (149, 20)
-    assert got.prefill_nll == pytest.approx(want.prefill_nll, rel=1e-4)
-    assert got.cont_nll == pytest.approx(want.cont_nll, rel=1e-4)
+    docs = {150: [torch.randint(0, 256, (170,), generator=torch.Generator().manual_seed(5))]}
+    settings = EvalSettings(docs=1, contexts=(150,), continuation=20, retrieval_context=192, depths=(0.5,),
+                            retrieval_trials=1, n_boot=20, agreement_docs=1)
+    configs = {"all-on": named_config("all-on")}
+    want = quality_table(model, configs, settings, documents=docs, fillers=[FILLER])
+    got = quality_table(model, configs, settings, documents=docs, fillers=[FILLER], engine="compiled")
+    for name in ("dense", "all-on"):
+        for key in ("cont_nll", "prefill_nll"):
+            assert got.perplexity["150"][name][key] == pytest.approx(want.perplexity["150"][name][key], rel=1e-4)
+        assert got.retrieval["0.5"][name] == want.retrieval["0.5"][name]
+        a = got.agreement[name]["150"]
+        assert a["token_agreement"] == 100.0 and a["max_rel_err"] < 1e-4 and a["rows"] == 169 and a["docs"] == 1
+    assert not want.agreement and got.settings["engine"] == "compiled"
+    md = got.to_markdown()
+    assert "the compiled engine" in md and "| `all-on` | 150 | 1 | 100.00 |" in md
+    # a greedy answer decoded step by step through the compiled engine is the reference's
+    reference = ReferenceFlashLoop(model, named_config("all-on"))
     case = build_retrieval_case(FILLER, 192, 0.5, random.Random(2), ByteTokenizer(256))
-    answer = reference.greedy(case.tokens, 5).tolist()
-    hit = dataclasses.replace(case, value=bytes(answer).decode("latin-1"))
-    assert run_retrieval_case(compiled, hit) == (1, 1.0)
-    assert run_retrieval_case(compiled, hit, greedy=True) == (1, 1.0)
+    hit = dataclasses.replace(case, value=bytes(reference.greedy(case.tokens, 5).tolist()).decode("latin-1"))
+    assert run_retrieval_case(EagerCompiledEngine(model, named_config("all-on"), 256), hit, greedy=True) == (1, 1.0)
     with pytest.raises(ValueError, match="engine must be one of"):
         quality_table(model, {}, engine="fast")
