@@ -18,6 +18,7 @@
 #
 #   bash scripts/train_on_gpu.sh                            # writes under $OUT (the device tool sets it)
 #   TRAIN_SECONDS=60 EVAL_SECONDS=40 bash scripts/train_on_gpu.sh   # smoke run
+#   EVAL_ENGINE=compiled bash scripts/train_on_gpu.sh               # evaluate through the compiled engines
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/quality}
@@ -32,6 +33,7 @@ EVAL_DOCS=${EVAL_DOCS:-16}
 EVAL_TRIALS=${EVAL_TRIALS:-8}
 EVAL_CONFIGS=${EVAL_CONFIGS:-default}
 EVAL_SECONDS=${EVAL_SECONDS:-170}
+EVAL_ENGINE=${EVAL_ENGINE:-reference}   # compiled: each config's compiled engine (compiles first: fewer configs fit)
 EVAL_EXTRA_CONFIGS=${EVAL_EXTRA_CONFIGS:-all-on@window=256 all-on@retention=0.5/0.25 all-on@key_fraction=0.25 tsp+sda}
 REDUNDANCY_SEQS=${REDUNDANCY_SEQS:-8}
 CALIBRATION_SEQS=${CALIBRATION_SEQS:-16}
@@ -93,7 +95,7 @@ step() {  # step NAME COMMAND...: run, time, keep going on failure
     step eval timeout $((${EVAL_SECONDS%.*} + 60)) $CLI eval --checkpoint "$CK" --device "$DEVICE" \
       --configs $EVAL_CONFIGS $CAL $EVAL_EXTRA_CONFIGS --max-seconds "$EVAL_SECONDS" --docs "$EVAL_DOCS" \
       --contexts "$CONTEXTS" --continuation 32 --retrieval-context "$RETRIEVAL_CONTEXT" --depths 0.1,0.5,0.9 --trials "$EVAL_TRIALS" \
-      --json "$TMP/eval.json" --markdown "$TMP/eval.md"
+      --engine "$EVAL_ENGINE" --json "$TMP/eval.json" --markdown "$TMP/eval.md"
   fi
   echo "=== done in $SECONDS s"
 } 2>&1 | tee "$OUT/run.log"
