@@ -217,13 +217,17 @@ def new_request(engine):
 class CompiledEngine:
     """The production path behind the reference's request interface: the compiled
     :class:`~flashloop_compile.runtime.engine.Engine` of ``config`` (one row, caches of ``max_seq``
-    positions, rounded up to whole quantization groups), so the harness measures the kernels users run. A request prefills its prompt (the
-    logits of every prompt token, one compiled forward) and decodes tokens teacher-forced, one
-    compiled decode step each (on CUDA a CUDA-graph replay)."""
+    positions, rounded up to whole quantization groups), so that the harness measures the kernels
+    users run. A request prefills its prompt (the logits of every prompt token, one compiled
+    forward) and decodes tokens teacher-forced, one compiled decode step each (on CUDA a
+    CUDA-graph replay). Each engine starts from a reset Dynamo: one evaluation compiles the same
+    model for many configs in turn, and the earlier configs' graphs must neither be reused nor
+    count towards the engine's recompile limit."""
 
     def __init__(self, model, config: FlashLoopConfig, max_seq: int, *, backend: Any = None) -> None:
         from flashloop_compile.runtime.engine import Engine
 
+        torch._dynamo.reset()
         quant = config.kv_residual_quantization
         if quant.enabled:  # the packed cache holds whole groups of positions
             max_seq = -(-max_seq // quant.group_size) * quant.group_size

@@ -180,7 +180,6 @@ def test_compiled_engine_scores_and_retrieves_what_the_reference_does(monkeypatc
 
     class EagerCompiledEngine(evaluate.CompiledEngine):
         def __init__(self, model, config, max_seq):
-            torch._dynamo.reset()
             super().__init__(model, config, max_seq, backend=make_backend(config, inner="eager"))
 
     monkeypatch.setattr(evaluate, "CompiledEngine", EagerCompiledEngine)
