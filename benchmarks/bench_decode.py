@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    OUT, Deadline, GpuSampler, bucket, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text,
-    graph_replay_ms, kernel_profile, part_table, print_parts, print_profile, record, sync,
+    OUT, PACKED_BYTES_PER_VALUE, Deadline, GpuSampler, bucket, capture_graph, compile_variant, copy_bandwidth_gbs,
+    cuda_time_ms, device, error_text, graph_replay_ms, kernel_profile, part_table, print_parts, print_profile, record, sync,
 )
 
 CONFIGS = {
@@ -58,9 +58,6 @@ def kv_read_bytes(name: str, b: int, s: int, cfg, heads: int, dim: int, layers: 
 # once per loop and lm_head once; each attention part its K/V (packed: INT4 codes plus FP16
 # minimum and scale per 64 values, one plane per level of the depth it reads); the selection its
 # probability row once. Glue, writes and reads of the ring window have no byte floor of their own.
-PACKED_BYTES_PER_VALUE = 0.5 * (1 + 2 * 2 / 64)
-
-
 def step_parts(name: str, b: int, s: int, cfg, layer_weight_bytes: float, head_weight_bytes: float) -> list[dict]:
     """[{part, buckets, bytes}] of one decode step of config ``name`` at batch b, context s."""
     from flashloop_compile.config import FlashLoopConfig

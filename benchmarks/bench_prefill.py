@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Deadline, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device, error_text, kernel_profile,
-    matmul_tflops, part_table, print_parts, print_profile, record, sync,
+    PACKED_BYTES_PER_VALUE, Deadline, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device,
+    error_text, kernel_profile, matmul_tflops, part_table, print_parts, print_profile, record, sync,
 )
 
 CONFIGS = {
@@ -79,14 +79,13 @@ EXACT_DENSE = ("dense_causal", "dense_position", "dense_masked")
 # A token-sparse loop computes the nested top-k of the prompt's rows (FlashLoopConfig's budgets);
 # its attention counts each active query's causal keys as (T + 1) / 2 on average, which holds
 # for active positions spread over the prompt (the selection decides; the bench does not read it).
-PACKED_WRITE_BYTES = 0.5 + 2 * 2 / 64  # per value: a 4-bit code plus FP16 minimum and scale per 64 values
 
 
 def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_params: int) -> list[dict]:
     """[{part, buckets, flops, bytes}] of one prefill of config ``name``: b prompts of t tokens."""
     from flashloop_compile.config import FlashLoopConfig
 
-    conf = FlashLoopConfig.from_dict({k: v for k, v in CONFIGS[name].items() if not k.startswith("compilation.")})
+    conf = FlashLoopConfig.from_dict(CONFIGS[name])
     tsp, quant = conf.token_sparse_prefill, conf.kv_residual_quantization.enabled
     loops, layers = cfg.num_loops, cfg.num_hidden_layers
     rows = list(tsp.budgets(t)) if tsp.enabled else [t] * loops  # rows each loop computes, per prompt
@@ -114,7 +113,7 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
     if quant:
         values = 2 * b * cfg.num_key_value_heads * cfg.head_dim * layers  # K and V of one row, every layer
         parts.append({"part": "packed write, reads, scans", "buckets": ("write", "read_bulk", "read", "scan"),
-                      "bytes": sum(rows[d] * values * (2 + PACKED_WRITE_BYTES * (1 + d)) for d in range(loops)),
+                      "bytes": sum(rows[d] * values * (2 + PACKED_BYTES_PER_VALUE * (1 + d)) for d in range(loops)),
                       "flops": None})
     parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None, "flops": None})
     return parts

@@ -126,6 +126,11 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30) -> float:
     return 2 * (nbytes // 2) / (t * 1e-3) / 1e9
 
 
+# Bytes per K or V value in the packed cache: a 4-bit code plus an FP16 minimum and scale per
+# group of 64 values (K per channel over 64 tokens, V per token over 64 channels)
+PACKED_BYTES_PER_VALUE = 0.5 + 2 * 2 / 64
+
+
 def matmul_tflops(n: int = 8192) -> float:
     """Dense BF16 matrix-multiply throughput (an n x n x n product, TFLOP/s): the FLOP floor's
     rate, measured like the copy bandwidth in the run that uses it (float32 and n = 256 on CPU)."""
