@@ -70,6 +70,9 @@ __all__ = [
     "RetrievalCase",
     "QualityReport",
     "CONFIG_SETS",
+    "CompiledEngine",
+    "document_logits",
+    "logit_agreement",
     "named_config",
     "named_configs",
     "parse_configs",
@@ -313,38 +316,33 @@ class DocScore:
     cont_n: int
 
 
-def score_document(engine, tokens: Tensor, context: int, continuation: int) -> DocScore:
-    """Prefill ``tokens[:context]``, decode ``tokens[context:context + continuation - 1]`` teacher-forced."""
+def document_logits(engine, tokens: Tensor, context: int, continuation: int) -> Tensor:
+    """Prefill ``tokens[:context]``, decode ``tokens[context:context + continuation - 1]``
+    teacher-forced: every logits row, the prefill's then the decode's ([context + continuation - 1,
+    V], float32)."""
     if tokens.numel() < context + continuation:
         raise ValueError(f"document of {tokens.numel()} tokens is shorter than context {context} + continuation {continuation}")
-    model = engine.model
-    dev = model_device(model)
-    tokens = tokens.to(dev)
-    with device_context(model):
-        req = new_request(engine)
-        rec = req.prefill(tokens[:context])
-        logp = F.log_softmax(rec.logits.float(), dim=-1)
-        pre = -logp[:-1].gather(-1, tokens[1:context, None]).squeeze(-1)
-        cont = [-logp[-1, tokens[context]]]
-        if continuation > 1:
-            rec2 = req.decode(tokens[context : context + continuation - 1])
-            logp2 = F.log_softmax(rec2.logits.float(), dim=-1)
-            cont.append(-logp2.gather(-1, tokens[context + 1 : context + continuation, None]).squeeze(-1))
-        cont_t = torch.cat([c.reshape(-1) for c in cont])
-    return DocScore(float(pre.sum()), int(pre.numel()), float(cont_t.sum()), int(cont_t.numel()))
-
-
-def document_logits(engine, tokens: Tensor, context: int, continuation: int) -> Tensor:
-    """Every logits row score_document reads ([context + continuation - 1, V], float32): the
-    prefill's rows, then the teacher-forced decode's."""
-    dev = model_device(engine.model)
-    tokens = tokens.to(dev)
+    tokens = tokens.to(model_device(engine.model))
     with device_context(engine.model):
         req = new_request(engine)
         rows = [req.prefill(tokens[:context]).logits.float()]
         if continuation > 1:
             rows.append(req.decode(tokens[context : context + continuation - 1]).logits.float())
     return torch.cat(rows)
+
+
+def score_logits(logits: Tensor, tokens: Tensor, context: int, continuation: int) -> DocScore:
+    """The prompt's and the continuation's NLL from a document's :func:`document_logits`."""
+    tokens = tokens.to(logits.device)
+    logp = F.log_softmax(logits, dim=-1)
+    pre = -logp[: context - 1].gather(-1, tokens[1:context, None]).squeeze(-1)
+    cont = -logp[context - 1 : context + continuation - 1].gather(-1, tokens[context : context + continuation, None]).squeeze(-1)
+    return DocScore(float(pre.sum()), int(pre.numel()), float(cont.sum()), int(cont.numel()))
+
+
+def score_document(engine, tokens: Tensor, context: int, continuation: int) -> DocScore:
+    """A document's scores: its first ``context`` tokens prefilled, the next ``continuation`` scored."""
+    return score_logits(document_logits(engine, tokens, context, continuation), tokens, context, continuation)
 
 
 def logit_agreement(a: Tensor, b: Tensor) -> dict[str, float]:
@@ -675,14 +673,20 @@ def quality_table(
                 continue
         runner = ReferenceFlashLoop(model, cfg) if engine == "reference" else CompiledEngine(model, cfg, max_seq)
         for c, docs in documents.items():
-            scores = [score_document(runner, d, c, settings.continuation) for d in docs]
-            if engine == "compiled" and settings.agreement_docs > 0:
-                # compiled == reference at the model level, on a subset (the reference is slow)
-                sub = docs[: settings.agreement_docs]
+            # with the compiled engine, the first agreement_docs documents' logits are kept and
+            # compared with the reference's (compiled == reference at the model level; the
+            # reference is slow, so a subset)
+            keep = settings.agreement_docs if engine == "compiled" else 0
+            scores, got = [], []
+            for i, d in enumerate(docs):
+                logits = document_logits(runner, d, c, settings.continuation)
+                scores.append(score_logits(logits, d, c, settings.continuation))
+                if i < keep:
+                    got.append(logits)
+            if got:
                 ref = ReferenceFlashLoop(model, cfg)
-                got = torch.cat([document_logits(runner, d, c, settings.continuation) for d in sub])
-                want = torch.cat([document_logits(ref, d, c, settings.continuation) for d in sub])
-                report.agreement.setdefault(name, {})[str(c)] = {**logit_agreement(got, want), "docs": len(sub)}
+                want = torch.cat([document_logits(ref, d, c, settings.continuation) for d in docs[: len(got)]])
+                report.agreement.setdefault(name, {})[str(c)] = {**logit_agreement(torch.cat(got), want), "docs": len(got)}
             report.perplexity.setdefault(str(c), {})[name] = {
                 "cont_nll": [s.cont_nll for s in scores], "cont_n": [s.cont_n for s in scores],
                 "prefill_nll": [s.prefill_nll for s in scores], "prefill_n": [s.prefill_n for s in scores],
