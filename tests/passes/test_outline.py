@@ -9,7 +9,7 @@ from flashloop_compile.backend import last_report, make_backend
 from flashloop_compile.passes import recognize
 from flashloop_compile.passes.outline import layer_cuts
 
-from .conftest import capture, ragged_batch, tiny
+from .conftest import SMALL, capture, ragged_batch, small, tiny
 
 
 def _run(model, backend, lengths=(7, 7)):
@@ -55,7 +55,9 @@ def test_each_distinct_segment_compiled_once(options, artifacts):
 
 
 def test_outlined_inductor_matches_eager_rewrite():
-    model = tiny()
+    # one layer of 3 loops: the same segment kinds as the tiny preset (prologue, a loop-1 layer,
+    # loop 2's reference layer, loop 3's correction layer, the loop tail, the coda), each compiled once
+    model = small()
     options = {"sparse_decode_attention.enabled": True}
     expected = _run(model, make_backend(options, inner="eager"))
     got = _run(model, make_backend({"compilation.outline_layers": True, **options}))
@@ -85,11 +87,12 @@ def test_outlined_token_sparse_prefill_matches_eager_rewrite():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"token_sparse_prefill.enabled": True}], ids=["dense", "token_sparse"])
+@pytest.mark.parametrize("options", [{}, {"token_sparse_prefill.enabled": True, **SMALL}], ids=["dense", "token_sparse"])
 def test_outlined_inductor_serves_every_prompt_length(monkeypatch, options):
     """The engine marks the prefill token dimension dynamic: each distinct segment is compiled once,
     symbolic in the token count, and serves a later call with another prompt length (an artifact
-    compiled for its first call's shapes failed with 'expected size 23==14')."""
+    compiled for its first call's shapes failed with 'expected size 23==14'). On small(): one layer
+    of 3 loops has every segment kind the tiny preset has."""
     import flashloop_compile.backend as backend
     from flashloop_compile.config import FlashLoopConfig
     from flashloop_compile.runtime.engine import Engine
@@ -104,7 +107,7 @@ def test_outlined_inductor_serves_every_prompt_length(monkeypatch, options):
 
     def prefill(opts, inner):
         config = FlashLoopConfig.from_dict(opts)
-        engine = Engine(tiny(), config, max_batch=2, max_seq=64, backend=make_backend(config, inner=inner))
+        engine = Engine(small(), config, max_batch=2, max_seq=64, backend=make_backend(config, inner=inner))
         torch._dynamo.reset()
         out, counts = [], []
         for prompts in calls:
