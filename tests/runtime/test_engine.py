@@ -43,15 +43,15 @@ def test_ragged_batch_equals_each_prompt_alone_and_the_reference(switches):
 
 
 def test_position_attention_generates_what_the_reference_does():
-    # compilation.position_attention (exact) with token-sparse prefill (loops 1-2 rewritten, 3-4
+    # compilation.position_attention (exact) with token-sparse prefill (loops 1-2 rewritten, loop 3
     # already position_attention): a ragged batch, one-shot and in chunks (later chunks attend to
     # the earlier ones through the cache), equals the reference. Dense alone: the pass tests.
-    model = tiny()
-    config = FlashLoopConfig.from_switches(True, False, False, **{"token_sparse_prefill.window": 8,
+    model = small()
+    config = FlashLoopConfig.from_switches(True, False, False, **{"token_sparse_prefill.window": 8, **SMALL,
                                                                   "compilation.position_attention": True})
     one_shot = _engine(model, config).generate(PROMPTS, 6).tokens
     prefill = [r for r in backend._reports if r.phase == "prefill"]
-    assert prefill and prefill[-1].matched.get("PositionAttentionPass") == 8  # every site of tiny's 4 x 2
+    assert prefill and prefill[-1].matched.get("PositionAttentionPass") == 3  # every site of small's 3 x 1
     chunked = _engine(model, config, prefill_chunk=16).generate(PROMPTS, 6).tokens
     reference = [ReferenceFlashLoop(model, config).greedy(p, 6).tolist() for p in PROMPTS]
     assert one_shot == chunked == reference
@@ -66,7 +66,7 @@ def test_chunked_prefill_aligned_to_windows_equals_one_shot():
 
 
 def test_seeded_sampling_is_reproducible_and_stop_tokens_are_per_request():
-    model = tiny()
+    model = small()
     eng = _engine(model, FlashLoopConfig())
     s = Sampling(temperature=0.8, top_p=0.9, seed=7)
     a = eng.generate(PROMPTS, 5, sampling=s).tokens
@@ -109,9 +109,9 @@ def test_all_eight_combinations_match_the_reference_through_tail_flushes(switche
 @pytest.mark.parametrize("token_sparse, quantize", [(False, False), (False, True), (True, True)],
                          ids=["bf16_cache", "packed_cache", "all_on"])
 def test_reuse_selected_probabilities_matches_the_reference_through_tail_flushes(token_sparse, quantize):
-    model = tiny()
+    model = small()  # loop 3 reuses loop 2's selected probabilities
     config = FlashLoopConfig.from_switches(token_sparse, True, quantize, **{
-        "sparse_decode_attention.reuse_selected_probabilities": True, "token_sparse_prefill.window": 32})
+        "sparse_decode_attention.reuse_selected_probabilities": True, "token_sparse_prefill.window": 32, **SMALL})
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 131)]
     got = _engine(model, config, max_batch=2, max_seq=256).generate(prompts, 66).tokens
     assert got == [ReferenceFlashLoop(model, config).greedy(p, 66).tolist() for p in prompts]
@@ -158,7 +158,7 @@ def test_capture_forwards_leave_live_requests_untouched(switches):
 
 
 def test_decode_graph_false_runs_the_compiled_model_without_a_graph():
-    model = tiny()
+    model = small()
     config = FlashLoopConfig.from_switches(False, True, False)
     tok, pos = torch.tensor([5, 6, 7]), torch.tensor([13, 30, 21])
     plain = _engine(model, config, cuda_graphs=False)
@@ -185,8 +185,8 @@ def test_decode_graph_false_runs_the_compiled_model_without_a_graph():
 def test_caches_are_freed_with_their_engine_and_its_compiled_code():
     # the backend keeps its recent rewrite reports: reports holding graph nodes kept the graph
     # modules alive, and with them the packed cache registered on each (GiBs past its engine)
-    model = tiny()
-    eng = _engine(model, FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32}), max_seq=256)
+    model = small()
+    eng = _engine(model, FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32, **SMALL}), max_seq=256)
     eng.generate(PROMPTS[:2], 3)
     caches = [weakref.ref(t) for t in eng.state_tensors().values()]
     assert any(name.startswith("packed") for name in eng.state_tensors())
@@ -226,8 +226,8 @@ def test_engine_sizes_past_the_model_are_errors():
 
 @pytest.mark.parametrize("progress", [True, False])
 def test_warm_up_compiles_ahead_and_shows_progress_when_asked(progress, capfd):
-    model = tiny()
-    config = FlashLoopConfig.all_on()
+    model = small()
+    config = FlashLoopConfig.all_on(**SMALL)
     engine = _engine(model, config, max_batch=2, max_seq=128, progress=progress)
     assert engine.warm_up(20, 2) > 0
     err = capfd.readouterr().err
