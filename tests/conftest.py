@@ -39,3 +39,16 @@ def tiny_model():
     from flashloop_compile.models.ouro import OuroForCausalLM
 
     return OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0).eval()
+
+
+# The README tests each run a block or command in a fresh interpreter, the longest (the Python
+# block that compiles the shipped checkpoint) for minutes. Collected last (tests/test_readme.py),
+# one worker of `pytest -n 2` ran it at the end while the other had nothing left to take; run
+# first, the other worker's share of the suite runs beside it.
+FIRST = ("test_readme.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = [item for item in items if item.path.name in FIRST]
+    if first:
+        items[:] = first + [item for item in items if item.path.name not in FIRST]
