@@ -4,9 +4,10 @@ of k tokens per row and the rollback of a suffix of it.
 - The packed cache after a k-token write rolled back to n tokens equals a cache that was only
   written those n tokens (tails, row maps, counts, flushed blocks), with and without a flush inside
   the step, exactly.
-- On the tiny preset, for dense, sparse decode, KV quantization and all on: row j of a verify step
-  equals the reference's multi-row decode and a decode of token j after tokens 0..j-1; after a
-  partial acceptance, further decoding equals a run that only ever saw the accepted tokens.
+- On the tiny preset cut to one layer of 3 loops (passes.conftest.small), for dense, sparse decode,
+  KV quantization and all on: row j of a verify step equals the reference's multi-row decode and
+  a decode of token j after tokens 0..j-1; after a partial acceptance, further decoding equals a
+  run that only ever saw the accepted tokens.
 - Bad k, bad n, accept without a verify step: errors that say what to change.
 """
 
@@ -23,7 +24,7 @@ from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
 from flashloop_compile.runtime.packed_kv import PackedKVCache
 from flashloop_compile.runtime.verify import StepUndo, flushed_after
-from passes.conftest import tiny
+from passes.conftest import SMALL, small
 
 # -- the packed cache ------------------------------------------------------------------------------
 NL, R, B, S, H, D, G = 2, 3, 2, 128, 2, 32, 16
@@ -99,21 +100,21 @@ def test_a_rolled_back_write_equals_a_cache_that_saw_only_the_accepted_tokens(pr
         assert torch.equal(a[name], b[name]), name
 
 
-# -- the engine on the tiny preset -----------------------------------------------------------------
+# -- the engine on small() -----------------------------------------------------------------------
 GROUP = 16  # the ring holds 16..31 tokens: row 0 (30 prompt tokens) flushes block 0..15 at length 32
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 21)]
 K, CONTINUE = 4, 3  # draft tokens per verify step; greedy decode steps after the acceptance
 # float32 on CPU: the same math in other GEMM shapes (k query rows against one)
 ATOL = RTOL = 1e-5
 # a row that reads a packed block quantized in one run and exact in the other: INT4 noise of one
-# block (the largest seen on these prompts: 0.31 against logits of magnitude ~3)
+# block (the largest seen on these prompts: 0.29 against logits of magnitude ~3)
 FLUSH_ATOL = 0.5
 
 
 def _config(name: str) -> FlashLoopConfig:
     switches = {"dense": (False, False, False), "sparse_decode": (False, True, False), "quant": (False, False, True),
                 "all_on": (True, True, True)}[name]
-    return FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32,
+    return FlashLoopConfig.from_switches(*switches, **{"token_sparse_prefill.window": 32, **SMALL,
                                                        "kv_residual_quantization.group_size": GROUP})
 
 
@@ -150,7 +151,7 @@ CASES = [("dense", 3), ("sparse_decode", 1), ("quant", 0), ("all_on", 3), ("all_
 
 @pytest.mark.parametrize("name,n", CASES, ids=[f"{c}-keep{n}" for c, n in CASES])
 def test_verify_rows_equal_decode_and_a_partial_acceptance_continues_as_if_only_those_tokens_were_fed(name, n):
-    model = tiny()
+    model = small()
     config = _config(name)
     quant, token_sparse = config.kv_residual_quantization.enabled, config.token_sparse_prefill.enabled
     engine = _engine(model, config)
@@ -166,7 +167,7 @@ def test_verify_rows_equal_decode_and_a_partial_acceptance_continues_as_if_only_
     assert verified.shape == (2, K, model.config.vocab_size)
     if config.sparse_decode_attention.enabled:  # the k-row graph got the decode rewrites, not the prefill ones
         report = last_report()
-        assert report.phase == "decode" and report.matched.get("SparseDecodeAttentionPass") == 6, report
+        assert report.phase == "decode" and report.matched.get("SparseDecodeAttentionPass") == 2, report
         assert "TokenSparsePrefillPass" not in report.matched, report
     for row, prompt in enumerate(PROMPTS):
         req = ReferenceFlashLoop(model, config).request()
@@ -206,7 +207,7 @@ def test_verify_rows_equal_decode_and_a_partial_acceptance_continues_as_if_only_
 
 
 def test_bad_steps_and_acceptances_are_errors_that_say_what_to_change():
-    model = tiny()
+    model = small()
     config = _config("dense")
     engine = _engine(model, config)
     with pytest.raises(ValueError, match=r"accept\(row=0, n=1\): no verify step is open"):
@@ -244,6 +245,6 @@ def test_bad_steps_and_acceptances_are_errors_that_say_what_to_change():
 
 def test_verify_needs_a_flashloop_backend():
     torch._dynamo.reset()
-    engine = Engine(tiny(), FlashLoopConfig(), max_batch=1, max_seq=64, backend="eager")
+    engine = Engine(small(), FlashLoopConfig(), max_batch=1, max_seq=64, backend="eager")
     with pytest.raises(ValueError, match=r"verify needs the engine's backend to be flashloop_compile.backend.make_backend"):
         engine.verify(torch.zeros(1, 2, dtype=torch.long), torch.tensor([5]))
