@@ -106,10 +106,10 @@ import json, sys, torch
 from flashloop_compile.backend import make_backend
 from flashloop_compile.config import FlashLoopConfig
 from flashloop_compile.runtime.engine import Engine
-from passes.conftest import tiny
+from passes.conftest import small
 
 path, out, steps, config = sys.argv[1], sys.argv[2], int(sys.argv[3]), FlashLoopConfig.from_dict(json.loads(sys.argv[4]))
-engine = Engine(tiny(), config, max_batch=2, max_seq=128, backend=make_backend(config, inner="eager"))
+engine = Engine(small(), config, max_batch=2, max_seq=128, backend=make_backend(config, inner="eager"))
 snap = engine.restore(path, 0)
 tok, pos, tokens, logits = snap.logits.argmax()[None], torch.tensor([snap.position]), [], []
 for _ in range(steps):
@@ -123,8 +123,8 @@ print(json.dumps(tokens))
 
 
 def test_a_request_restored_from_a_file_in_another_process_continues_as_if_never_moved(tmp_path):
-    model = tiny()
-    config = _config((True, True, True))
+    model = small()  # the child process builds the same weights
+    config = _config((True, True, True), **SMALL)
     path, want_tokens, want_logits = _run_until_snapshot(model, config, path=tmp_path / "request.safetensors")
     assert path == tmp_path / "request.safetensors"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
