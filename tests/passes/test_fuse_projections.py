@@ -14,7 +14,7 @@ from flashloop_compile.passes.graph import is_op
 from flashloop_compile.reference import ReferenceFlashLoop
 from flashloop_compile.runtime.engine import Engine
 
-from .conftest import ragged_batch, tiny
+from .conftest import SMALL, ragged_batch, small, tiny
 
 PROMPTS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 37)]
 ALL_ON = {"token_sparse_prefill.enabled": True, "sparse_decode_attention.enabled": True,
@@ -70,19 +70,20 @@ def _generate(model, options, tokens=8):
     return logits, out, graphs
 
 
-@pytest.mark.parametrize("options", [{}, ALL_ON], ids=["features_off", "all_on"])
+@pytest.mark.parametrize("options", [{}, {**ALL_ON, **SMALL}], ids=["features_off", "all_on"])
 def test_seven_linears_per_layer_become_four_gemms_and_tokens_equal_the_reference(options):
-    model = tiny()  # R=4 loops x N=2 layers, no attention bias
+    # small(): R=3 loops x N=1 layer, no attention bias (several layers per loop: the tests below)
+    model = small()
     logits, tokens, graphs = _generate(model, options)
     assert {len(graphs)} != {0}
     for gm in graphs:
         # per layer and loop: QKV and gate-up fused, o_proj and down_proj alone; plus lm_head
-        assert _linears(gm) == (2 * 4 * 2, 2 * 4 * 2 + 1)
-    assert last_report().fused_linears == 5 * 4 * 2 and last_report().fused_gemms == 2 * 4 * 2
+        assert _linears(gm) == (2 * 3 * 1, 2 * 3 * 1 + 1)
+    assert last_report().fused_linears == 5 * 3 * 1 and last_report().fused_gemms == 2 * 3 * 1
     config = FlashLoopConfig.from_dict(options)
     assert tokens == [ReferenceFlashLoop(model, config).greedy(p, 8).tolist() for p in PROMPTS]
     unfused_logits, unfused_tokens, unfused_graphs = _generate(model, {**options, **UNFUSED})
-    assert all(_linears(gm) == (0, 7 * 4 * 2 + 1) for gm in unfused_graphs)
+    assert all(_linears(gm) == (0, 7 * 3 * 1 + 1) for gm in unfused_graphs)
     torch.testing.assert_close(logits, unfused_logits, **FUSED_ORDER)
     assert tokens == unfused_tokens
 
