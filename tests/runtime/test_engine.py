@@ -119,10 +119,11 @@ def test_reuse_selected_probabilities_matches_the_reference_through_tail_flushes
 
 def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
     model = tiny()
-    config = FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32})
-    # capacities planned for 4 new tokens (loop 4 keeps 10% of a prompt: 128 compact rows);
-    # 300 generated tokens, all active at every loop, need more
-    eng = _engine(model, config, max_batch=2, max_seq=512, max_new_tokens=4)
+    config = FlashLoopConfig.all_on(**{"token_sparse_prefill.window": 32, "kv_residual_quantization.group_size": 16})
+    # capacities planned for 4 new tokens (loop 4 keeps 10% of a prompt: 17 rows with the 4,
+    # rounded up to groups of 16 plus a spare group: 48 compact rows); 100 generated tokens, all
+    # active at every loop, need more
+    eng = _engine(model, config, max_batch=2, max_seq=128, max_new_tokens=4)
     assert all(c.k_cache.untyped_storage().nbytes() <= 4 for c in model.model.kv_caches)
     mem = eng.memory()
     assert mem.packed is not None and mem.ratio > 1
@@ -131,7 +132,7 @@ def test_packed_cache_is_the_only_kv_storage_and_overflow_is_an_error():
     from flashloop_compile.runtime.packed_kv import PackedKVOverflowError
 
     with pytest.raises(PackedKVOverflowError, match="capacity"):
-        eng.generate([PROMPTS[0][:8]], 300)
+        eng.generate([PROMPTS[0][:8]], 100)
 
 
 @pytest.mark.parametrize("switches", [(False, False, False), (True, True, True)], ids=["dense", "all_on"])
