@@ -94,13 +94,15 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
-def test_the_read_attend_correction_keeps_three_programs_per_sm_at_depth_three():
-    # PACKED_READ attend_block_p: 16 keys per program at depth 3, where 32 took 176
-    # registers (two programs per SM) and lost per site; no spills, the tile's codes in 128-bit loads
+def test_the_read_attend_correction_keeps_five_programs_per_sm_at_depth_three():
+    # PACKED_READ attend_block_p: 16 keys per program at depth 3, where 32 took 176 registers (two
+    # programs per SM) and lost per site. attend_maxnreg caps depth 3 at 96 registers: five programs
+    # per SM instead of three (138 uncapped), bought with a few spills, 14% faster per B1 x 32K site
+    # (benchmarks/results/2026-12-06/register-caps); the tile's codes stay in 128-bit loads
     row, = _report("--only", "attend", "--depth", "3")
     assert row["kernel"] == "read attend B4 32K (correction, 16 keys) [_read_attend_kernel]", row
     assert row["grid"] == [4, 16, 205], row  # 3277 selected keys in tiles of 16
-    assert row["spill_ops"] == 0 and row["warps_per_sm"] >= 12, row
+    assert row["regs"] <= 96 and row["warps_per_sm"] >= 20, row
     assert row["loads"].get("LDG.E.128", 0) > 0, row["loads"]
 
 

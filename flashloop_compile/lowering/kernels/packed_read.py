@@ -338,9 +338,13 @@ def _read_attend_kernel(
 # read-and-attend correction by depth (the last entry for deeper ones; H200, 32K, per site: 32 at
 # depth 2 58.8 / 149.0 us at B1 / B4 against 71.5 / 177.1 at 16; 16 at depth 3). window_block_p:
 # positions per program of the code-domain reference's window read (all per-token tiles), one
-# sub-tile each (8.7 / 21.3 us against 15.6 / 25.5 at B1 / B4 x 32K).
+# sub-tile each (8.7 / 21.3 us against 15.6 / 25.5 at B1 / B4 x 32K). attend_maxnreg: the
+# read-and-attend correction's register cap by depth (0: the compiler's choice). The kernel waits on
+# dependent loads, so at depth 3 programs in flight beat spills: 96 registers, 5 programs per SM
+# against 3 at 138, 53.2 against 61.7 us per B1 x 32K site (H100, b84d7b1); every cap at depth 2
+# and on the V-only kernel loses (results/2026-12-06/register-caps).
 PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_block_p": (32, 32, 32, 16),
-               "window_block_p": 8}
+               "window_block_p": 8, "attend_maxnreg": (0, 0, 0, 96)}
 
 
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
@@ -448,6 +452,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=dev)
     ip, k_in, v_in = inflight  # the kernel takes the first in-flight position of its row itself
+    nreg = PACKED_READ["attend_maxnreg"][min(depth, len(PACKED_READ["attend_maxnreg"]) - 1)]
     wrap(_read_attend_kernel)[(Bc, H, nt)](
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
@@ -458,7 +463,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=residual_unroll(depth), DEPTH=depth, SPLIT=split,
-        num_warps=PACKED_READ["num_warps"],
+        num_warps=PACKED_READ["num_warps"], **({"maxnreg": nreg} if nreg else {}),
     )
     return part_m, part_l, part_acc, nt
 
