@@ -6,7 +6,8 @@
 
 For each (B, S): a cache (1 layer, R=4 loops, H=16 kv heads = query heads, D=128, bf16) is
 filled with an S-1 token prompt (depths 0 and 1 dense, depths 2 and 3 for nested random 25% and
-10% subsets, as token-sparse prefill leaves them) and one decode token at every depth; then one
+10% subsets, as token-sparse prefill leaves them; ``--residuals every``: every depth dense, as a
+dense prefill leaves them and bench_decode fills them) and one decode token at every depth; then one
 query at position S-1 attends at depth 0, 1, 3 (S-1 stored keys read from the packed tiles + the
 in-flight key). Dense: ``scaled_dot_product_attention`` over a BF16 [B, 16, S, 128] cache.
 
@@ -47,9 +48,18 @@ H, D, R = 16, 128, 4
 DT = torch.bfloat16
 
 
-def fill_cache(B: int, S: int, seed: int = 0) -> tuple[PackedKVCache, list]:
-    """Prompt of S-1 tokens per row (sparse depths 2, 3), then one decode token at every depth.
+RESIDUALS = ("prefill", "every")
+
+
+def fill_cache(B: int, S: int, seed: int = 0, residuals: str = "prefill") -> tuple[PackedKVCache, list]:
+    """Prompt of S-1 tokens per row, then one decode token at every depth. ``residuals``:
+    "prefill" writes depths 2 and 3 for nested random 25% and 10% of the prompt (what token-sparse
+    prefill leaves), "every" writes every depth for every token (a dense prefill). A site's time
+    depends on it: the read-and-attend correction at depth 3 takes 54.9 us per B1 x 32K site on
+    the first and about 43 in a step filled as the second (benchmarks/results/2026-12-06/register-caps).
     Returns the cache and, per depth, the decode token's (k, v, positions)."""
+    if residuals not in RESIDUALS:
+        raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
     g = torch.Generator(device="cuda").manual_seed(seed)
     cache = PackedKVCache(1, R, B, S, H, D, dtype=DT, device="cuda")
     n = S - 1
@@ -58,7 +68,7 @@ def fill_cache(B: int, S: int, seed: int = 0) -> tuple[PackedKVCache, list]:
     k = torch.randn(B, H, n, D, device="cuda", generator=g, dtype=DT)
     v = torch.randn(B, H, n, D, device="cuda", generator=g, dtype=DT)
     for d in range(R):
-        if d >= 2:
+        if d >= 2 and residuals == "prefill":
             keep = 0.25 if d == 2 else 0.4  # 25% of the prompt, then 40% of those = 10%
             r = torch.rand(B, n, device="cuda", generator=g)
             active = active & (r < keep)
@@ -146,7 +156,7 @@ def loop1(args, l2) -> list[dict]:
     rows = []
     for S in args.seq:
         for B in args.batch:
-            cache, step = fill_cache(B, S)
+            cache, step = fill_cache(B, S, residuals=args.residuals)
             g = torch.Generator(device="cuda").manual_seed(1)
             q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
             scale = 1.0 / math.sqrt(D)
@@ -167,7 +177,7 @@ def loop1(args, l2) -> list[dict]:
                 bn = PD.FAST_DECODE["block_n"] if depth == 0 else PD.FAST_DECODE["block_n_residual"]
                 nb = bulk_bytes(cache, B, S - 1, depth, min(bn, cache.group_size))
                 site_bytes = packed_bytes(cache, B, S - 1, depth)
-                r = {"batch": B, "seq": S, "depth": depth, "bulk_us": bulk_us, "bulk_bytes": nb,
+                r = {"batch": B, "seq": S, "depth": depth, "residuals": args.residuals, "bulk_us": bulk_us, "bulk_bytes": nb,
                      "bulk_floor_share": nb / (bulk_us * 1e-6) / 1e9 / FLOOR_GBPS, "site_us": site_us,
                      "site_bytes": site_bytes, "site_floor_share": site_bytes / (site_us * 1e-6) / 1e9 / FLOOR_GBPS,
                      "kernels_us": kernels, "fast_decode": dict(PD.FAST_DECODE)}
@@ -277,7 +287,7 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
     rows = []
     for S in args.seq:
         for B in args.batch:
-            cache, step = fill_cache(B, S)
+            cache, step = fill_cache(B, S, residuals=args.residuals)
             g = torch.Generator(device="cuda").manual_seed(1)
             q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
             scale = 1.0 / math.sqrt(D)
@@ -380,7 +390,8 @@ def sweep(args, l2, save=lambda rows: None) -> list[dict]:
                         moved = nbytes // 10
                     kind = ("reference" if "reference" in kw else "correction" if "correction" in kw
                             else "read" if read else "attention")
-                    rows.append({"batch": B, "seq": S, "depth": depth, "variant": name, "tuning": kw.get("tuning"), "us": ms * 1e3,
+                    rows.append({"batch": B, "seq": S, "depth": depth, "residuals": args.residuals, "variant": name,
+                                 "tuning": kw.get("tuning"), "us": ms * 1e3,
                                  "GBps": moved / (ms * 1e-3) / 1e9, "bytes": moved, "kind": kind})
                     print(f"B={B} S={S} depth={depth} {name}: {ms * 1e3:.1f} us {moved / (ms * 1e-3) / 1e9:.0f} GB/s", flush=True)
                     if args.profile:  # after the timing, which it never touches
@@ -400,6 +411,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--splits", type=int, default=None, help="override the split-K count")
+    ap.add_argument("--residuals", choices=RESIDUALS, default="prefill",
+                    help="which positions the prompt writes at depths 2 and 3: prefill (25%% and 10%%, as "
+                         "token-sparse prefill) or every (as a dense prefill)")
     ap.add_argument("--sweep", action="store_true", help="time the fast-path launch parameters (SWEEP) instead")
     ap.add_argument("--loop1", action="store_true", help="the bulk kernel and the whole loop-1 site instead "
                     "(default shapes B 1 4 x 32K, depths 0 1)")
@@ -443,7 +457,7 @@ def main() -> None:
     records = []
     for S in args.seq:
         for B in args.batch:
-            cache, step = fill_cache(B, S)
+            cache, step = fill_cache(B, S, residuals=args.residuals)
             n = S - 1
             g = torch.Generator(device="cuda").manual_seed(1)
             q = torch.randn(B, H, 1, D, device="cuda", generator=g, dtype=DT)
@@ -474,7 +488,7 @@ def main() -> None:
                 graph = _times(graph_of(packed), args.repeats, args.warmup, l2)
                 nbytes = packed_bytes(cache, B, n, depth)
                 rec = {
-                    "batch": B, "seq": S, "depth": depth, "kv_heads": H, "head_dim": D, "num_splits": splits,
+                    "batch": B, "seq": S, "depth": depth, "residuals": args.residuals, "kv_heads": H, "head_dim": D, "num_splits": splits,
                     "packed_launcher_eager": stats(eager), "packed_op_eager": stats(op_eager), "packed_graph": stats(graph),
                     "dense_sdpa_eager": stats(dense_eager), "dense_sdpa_graph": stats(dense_graph),
                     "packed_bytes": nbytes, "dense_bytes": dense_bytes,
