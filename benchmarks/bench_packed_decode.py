@@ -54,9 +54,10 @@ RESIDUALS = ("prefill", "every")
 def fill_cache(B: int, S: int, seed: int = 0, residuals: str = "prefill") -> tuple[PackedKVCache, list]:
     """Prompt of S-1 tokens per row, then one decode token at every depth. ``residuals``:
     "prefill" writes depths 2 and 3 for nested random 25% and 10% of the prompt (what token-sparse
-    prefill leaves), "every" writes every depth for every token (a dense prefill). A site's time
-    depends on it: the read-and-attend correction at depth 3 takes 54.9 us per B1 x 32K site on
-    the first and about 43 in a step filled as the second (benchmarks/results/2026-12-06/register-caps).
+    prefill leaves), "every" writes every depth for every token (a dense prefill, and
+    bench_decode's fill). A site's time depends on it: the read-and-attend correction kernel at
+    depth 3 takes 46.4 us at B1 x 32K on the first and 50.7 on the second (H100, 548b232,
+    benchmarks/results/2026-12-06/resolved-rows).
     Returns the cache and, per depth, the decode token's (k, v, positions)."""
     if residuals not in RESIDUALS:
         raise ValueError(f"residuals must be one of {RESIDUALS}, got {residuals!r}")
