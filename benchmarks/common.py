@@ -95,6 +95,22 @@ def cuda_times(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30, before:
     return times
 
 
+def interleaved_times(fns: list[Callable[[], Any]], warmup: int = 5, repeat: int = 30,
+                      before: list[Callable[[], Any]] | None = None) -> list[list[float]]:
+    """:func:`cuda_times` of several variants of one operation, their repeats interleaved (A B A B
+    ...): a drift over the run (clocks, temperature, the allocator) or an effect of running first
+    falls on every variant alike. ``before[i]`` runs ahead of every timed call of ``fns[i]``."""
+    before = before or [None] * len(fns)
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for i, (fn, pre) in enumerate(zip(fns, before)):
+            times[i].extend(cuda_times(fn, warmup=0, repeat=1, before=pre))
+    return times
+
+
 def cuda_time_ms(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> dict[str, float]:
     """Median (and spread) of :func:`cuda_times`."""
     times = sorted(cuda_times(fn, warmup, repeat))

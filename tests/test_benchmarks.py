@@ -331,3 +331,14 @@ def test_part_table_floors_from_bytes_or_flops():
     assert rows["write"]["floor_ms"] == 1.0 and rows["write"]["share_of_floor"] == 0.5
     assert rows["glue"]["floor_ms"] is None and rows["glue"]["share_of_floor"] is None
     assert rows["all"]["ms"] == 7.0 and rows["all"]["floor_ms"] == 3.0 and rows["all"]["launches"] == 20
+
+
+def test_interleaved_times_alternate_the_variants_and_run_each_ones_setup_before_it():
+    # an A/B whose variants are timed one block after the other reads an order effect as a
+    # difference (bench_packed_prefill --write-against); interleaved, each repeat times A then B
+    calls = []
+    fns = [lambda: calls.append("a"), lambda: calls.append("b")]
+    before = [lambda: calls.append("restore a"), lambda: calls.append("restore b")]
+    times = common.interleaved_times(fns, warmup=1, repeat=3, before=before)
+    assert [len(t) for t in times] == [3, 3]
+    assert calls == ["a", "b"] + ["restore a", "a", "restore b", "b"] * 3
