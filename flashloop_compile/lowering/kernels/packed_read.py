@@ -348,6 +348,12 @@ PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_bloc
                "window_block_p": 8, "attend_maxnreg": (0, 0, 0, 96)}
 
 
+def _by_depth(key: str, depth: int) -> int:
+    """PACKED_READ[key]'s entry for ``depth`` (its last entry for deeper ones)."""
+    values = PACKED_READ[key]
+    return values[min(depth, len(values) - 1)]
+
+
 def launch_packed_read(tensors, positions, depth: int, out_k, out_v, *, inflight=None, wrap=no_wrap,
                        bulk: bool | None = None, block_p: int | None = None, split: int | None = None,
                        skip_padding: bool = False) -> None:
@@ -440,8 +446,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
                          f"power-of-two head_dim with an even group; got q {tuple(q.shape)}, head_dim {D}, group {G}")
     Bc, P = q.shape[0], keys.shape[-1]
     np_ = next_pow2(D // 2)
-    by_depth = PACKED_READ["attend_block_p"]
-    bp = block_p or by_depth[min(depth, len(by_depth) - 1)]
+    bp = block_p or _by_depth("attend_block_p", depth)
     if bp < 1 or bp & (bp - 1):
         raise ValueError(f"the read-and-attend tile must be a power of two, got {bp} keys")
     if common.cpu_semantics(q.device) and not block_p:
@@ -453,7 +458,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=dev)
     ip, k_in, v_in = inflight  # the kernel takes the first in-flight position of its row itself
-    nreg = PACKED_READ["attend_maxnreg"][min(depth, len(PACKED_READ["attend_maxnreg"]) - 1)]
+    nreg = _by_depth("attend_maxnreg", depth)
     wrap(_read_attend_kernel)[(Bc, H, nt)](
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
@@ -564,8 +569,7 @@ def launch_packed_read_values(tensors, keys, count, probs, depth: int, *, inflig
         raise ValueError(f"the V-only correction needs keys [B, {H}, 1, P] (one query row per kv head) and a "
                          f"power-of-two head_dim with an even group; got keys {tuple(keys.shape)}, head_dim {D}, group {G}")
     Bc, P = keys.shape[0], keys.shape[-1]
-    by_depth = PACKED_READ["attend_block_p"]
-    bp = block_p or by_depth[min(depth, len(by_depth) - 1)]
+    bp = block_p or _by_depth("attend_block_p", depth)
     if bp < 1 or bp & (bp - 1):
         raise ValueError(f"the V-only correction's tile must be a power of two, got {bp} keys")
     if common.cpu_semantics(keys.device) and not block_p:
