@@ -21,7 +21,8 @@ in flight, nothing stored yet), each op a quantized prefill runs per (loop, laye
   times another packed_write.py (e.g. ``git show REV:flashloop_compile/lowering/kernels/
   packed_write.py > /tmp/old_write.py``) on the same states and checks its caches bit for bit
   against the current kernel's; both are called through their launchers, with their repeats
-  interleaved.
+  interleaved. With CUDA each depth's write is timed as a CUDA graph's replay: device time,
+  without the launcher's host work between its kernels.
 
 ``--sweep`` adds packed_attention at other prefill launch parameters (kernels/packed_attention.py
 PACKED_PREFILL: tiles, warps, pipeline stages of the whole-row loop) and the packed
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbs, cuda_times, device, environment, interleaved_times  # noqa: E402
+from common import copy_bandwidth_gbs, cuda_times, device, environment, graph_of, interleaved_times  # noqa: E402
 
 from flashloop_compile.lowering import packed_ops as P  # noqa: E402
 from flashloop_compile.lowering.prefill_ops import position_attention  # noqa: E402
@@ -172,10 +173,19 @@ def main() -> None:
         # a depth's write and its --write-against copy with their repeats interleaved: timed one
         # block after the other, a copy that changed only the depth-0 flush read 10-35% faster at
         # every depth, the unchanged ones included (H100, b84d7b1), an effect of the order
+        # timed eagerly, the same write read 0.742, 0.852 and 0.994 ms at depth 0 in three processes
+        # on one warm H100 (2026-12-06, a4b09c6, results/2026-12-06/write-flush-maxnreg/): eager
+        # events also time the host's launch work between the kernels, a graph's replay does not
         for d in range(len(calls)):
             names = [n for n in writes if n.startswith(f"write d{d} only")]
-            times = interleaved_times([writes[n][0] for n in names], warmup=2, repeat=args.repeats,
-                                      before=[writes[n][1] for n in names])
+            fns = []
+            for n in names:
+                fn, restore = writes[n]
+                if cuda:
+                    restore()  # graph_of runs the write once before capturing it: from its own state
+                    fn = graph_of(fn)
+                fns.append(fn)
+            times = interleaved_times(fns, warmup=2, repeat=args.repeats, before=[writes[n][1] for n in names])
             for name, ts in zip(names, times):
                 ms = statistics.median(ts)
                 rows.append({"tokens": T, "op": name, "ms": ms, "floor_ms": floors[name], "floor_share": floors[name] / ms})
