@@ -22,11 +22,28 @@ stops at ``seconds`` (or ``max_steps``), rounds the weights to ``save_dtype`` (B
 10 MiB for the default shape, and what is evaluated is exactly what is stored) and saves with
 ``save_pretrained`` beside ``command.txt`` and ``train_log.txt`` (written as it runs; its last
 line is a JSON summary).
+
+Resumable training (``resumable=True`` or ``train(..., resume=DIR)``; CLI ``--resumable``,
+``--resume DIR``) splits one run over several processes, e.g. device calls of a few minutes whose
+state travels as files. The LR schedule is then a function of the step alone (warm-up over the
+first ``warmup_steps`` of the whole run, cosine over ``max_steps``, which is required), so every
+call continues it where the last stopped, and ``seconds`` is only the wall budget of one call. Besides
+the checkpoint, the output directory holds ``train_state.json`` (step, tokens, schedule position,
+best valid bits/byte and its step, the config, the data's fingerprint, the RNG states, seconds so far)
+and ``train_state-00001.safetensors``, ...: the last step's weights and AdamW's ``exp_avg`` and
+``exp_avg_sq`` in BF16, in shards of at most 15 MiB. BF16 is what fits the transfer limits
+(:data:`STATE_CAP_MIB`); it rounds the FP32 master weights once per resume (by at most ``2**-8``
+of each weight: for weights of ~0.06, about one update at the schedule's final LR) and the
+moments to 8 significant bits, which Adam's normalized update barely notices. ``model.safetensors`` keeps the selected
+best weights; a resumed run compares its evaluations with the recorded best bits/byte and keeps
+those weights unless it beats them.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -46,9 +63,23 @@ from flashloop_compile.quality.corpus import (
     BOS, EOS, VOCAB_SIZE, ByteTokenizer, Corpus, retrieval_document, token_stream, unigram_bits_per_byte,
 )
 
-__all__ = ["TrainConfig", "build_model", "loop_logits", "loss_fn", "mix_retrieval_documents", "train"]
+__all__ = [
+    "STATE_CAP_MIB", "TrainConfig", "build_model", "count_parameters", "load_train_state", "loop_logits", "loss_fn",
+    "mix_retrieval_documents", "save_train_state", "state_bytes", "train",
+]
 
 LN2 = math.log(2.0)
+STATE_FORMAT = 1
+STATE_FILE = "train_state.json"
+SHARD_NAME = "train_state-{:05d}.safetensors"
+# One file back from a device call may be 16 MiB; 15 leaves room for the header.
+SHARD_BYTES = 15 * 2**20
+# A call sends at most 64 MiB, the repository (~14 MiB) included: 48 MiB are left for the state
+# a resumed call carries in (the shards plus model.safetensors).
+STATE_CAP_MIB = 48.0
+# Options a resumed run may change: none of them touches the model, the data order or the
+# optimizer's trajectory (``seconds`` is one call's wall budget; the schedule spans max_steps).
+RESUME_MAY_CHANGE = ("seconds", "call_steps", "log_every", "eval_every", "device", "state_cap_mib")
 
 
 @dataclass
@@ -75,6 +106,7 @@ class TrainConfig:
     dropout: float = 0.1
     seconds: float = 300.0
     max_steps: int | None = None
+    call_steps: int | None = None  # stop this call after this many steps (a per-call budget, like seconds)
     log_every: int = 25
     eval_every: int = 100
     eval_batches: int = 4
@@ -90,6 +122,8 @@ class TrainConfig:
     corpus_packages: tuple[str, ...] = ()  # installed packages' sources added to the stdlib (corpus.py)
     retrieval_fraction: float = 0.0  # share of the training bytes that are synthetic retrieval documents
     retrieval_pairs: int = 4  # needles per synthetic retrieval document
+    resumable: bool = False  # write train_state* files; the schedule spans max_steps instead of seconds
+    state_cap_mib: float = STATE_CAP_MIB  # largest resumable state (shards + model.safetensors) allowed
 
     def model_config(self) -> OuroConfig:
         if self.hidden % self.head_dim:
@@ -172,9 +206,14 @@ def _param_groups(model: OuroForCausalLM, weight_decay: float) -> list[dict[str,
 
 
 def _lr_at(cfg: TrainConfig, step: int, elapsed: float, first_step: float = 0.0) -> float:
-    """Warm-up, then cosine over the time left after the first step (``first_step`` seconds)."""
+    """Warm-up, then cosine over the time left after the first step (``first_step`` seconds), or,
+    for a resumable run, over ``max_steps``: a function of the global step alone, so a resumed
+    call continues the schedule (and warms up only if the whole run is still in its warm-up)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.resumable:
+        progress = min(step / cfg.max_steps, 1.0)
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
     span = cfg.seconds - first_step
     progress = (elapsed - first_step) / span if span > 0 else 1.0
     if cfg.max_steps:
@@ -231,6 +270,200 @@ def mix_retrieval_documents(docs: list[bytes], fraction: float, *, length: int, 
     return out + synthetic[j:]
 
 
+# -- resumable state (train_state.json + train_state-NNNNN.safetensors) ------------------------------
+
+
+def count_parameters(cfg: TrainConfig) -> int:
+    """Parameters of ``cfg``'s model (built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        model = OuroForCausalLM(cfg.model_config())
+    return sum(p.numel() for p in model.parameters())
+
+
+def _entry_bytes(name: str) -> int:
+    """An upper bound of a tensor's entry in a safetensors header (name, dtype, shape, offsets)."""
+    return len(name) + 96
+
+
+_HEADER_BYTES = 128  # the header's length field, braces, metadata and padding
+
+
+def state_bytes(cfg: TrainConfig) -> int:
+    """Bytes of the tensors a resumed run reads: the shards (BF16 weights, exp_avg, exp_avg_sq)
+    plus ``model.safetensors`` (the BF16 best weights), i.e. 8 bytes a parameter plus headers."""
+    with torch.device("meta"):
+        model = OuroForCausalLM(cfg.model_config())
+    names = [n for n, _ in model.named_parameters()]
+    n_params = sum(p.numel() for p in model.parameters())
+    headers = sum(_entry_bytes(f"exp_avg_sq/{n}") for n in names) * 4 + _HEADER_BYTES * 5
+    return 8 * n_params + headers
+
+
+def _check_state_cap(cfg: TrainConfig) -> None:
+    """Raise before training if the resumable state would not fit ``state_cap_mib``, naming the
+    sizes that fit (a run that fails this after minutes of training is a call wasted)."""
+    cap = int(cfg.state_cap_mib * 2**20)
+    need = state_bytes(cfg)
+    if need <= cap:
+        return
+    n_params = count_parameters(cfg)
+    fits = []
+    layers = next((n for n in range(cfg.layers - 1, 0, -1) if state_bytes(dataclasses.replace(cfg, layers=n)) <= cap), None)
+    if layers:
+        fits.append(f"{layers} layers at hidden {cfg.hidden}")
+    hidden = next((h for h in range(cfg.hidden - cfg.head_dim, 0, -cfg.head_dim)
+                   if state_bytes(dataclasses.replace(cfg, hidden=h)) <= cap), None)
+    if hidden:
+        fits.append(f"hidden {hidden} at {cfg.layers} layers")
+    raise ValueError(
+        f"the resumable state of this model is {need / 2**20:.1f} MiB ({n_params:,} parameters x 8 bytes: BF16 weights, "
+        f"AdamW exp_avg and exp_avg_sq in train_state-*.safetensors, BF16 best weights in model.safetensors), over "
+        f"state_cap_mib={cfg.state_cap_mib:g} (--state-cap-mib; what one call can carry in beside the repository). "
+        f"About {cap / 8 / 1e6:.2f} M parameters fit"
+        + (f": e.g. {' or '.join(fits)}" if fits else ": no smaller depth or width of this shape does")
+    )
+
+
+def _plan_shards(tensors: dict[str, Tensor], shard_bytes: int) -> list[list[str]]:
+    """Names per shard, in order, each shard's file at most ``shard_bytes`` (header included)."""
+    shards: list[list[str]] = [[]]
+    size = _HEADER_BYTES
+    for name, t in tensors.items():
+        need = t.numel() * t.element_size() + _entry_bytes(name)
+        if _HEADER_BYTES + need > shard_bytes:
+            raise ValueError(f"tensor {name} ({need / 2**20:.1f} MiB) does not fit in one shard of {shard_bytes / 2**20:g} MiB")
+        if shards[-1] and size + need > shard_bytes:
+            shards.append([])
+            size = _HEADER_BYTES
+        shards[-1].append(name)
+        size += need
+    return shards
+
+
+def _b64(t: Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def save_train_state(out_dir: str | os.PathLike, state: dict[str, Any], tensors: dict[str, Tensor], *,
+                     shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Write ``tensors`` as ``train_state-00001.safetensors``, ... (each file at most
+    ``shard_bytes``), remove older shards the new ones do not replace, then ``train_state.json``
+    (``state`` plus the shard list), written last so that a complete JSON means complete shards.
+    Returns the files written."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i, names in enumerate(_plan_shards(tensors, shard_bytes), start=1):
+        f = out / SHARD_NAME.format(i)
+        save_file({n: tensors[n].detach().contiguous().cpu() for n in names}, str(f), metadata={"format": "pt"})
+        if f.stat().st_size > shard_bytes:  # the plan's header bound is off: never return an oversized file
+            raise RuntimeError(f"{f} is {f.stat().st_size:,} bytes, over the shard limit of {shard_bytes:,}")
+        files.append(f)
+    for old in out.glob("train_state-*.safetensors"):
+        if old not in files:
+            old.unlink()
+    meta = dict(state, format=STATE_FORMAT, shards=[f.name for f in files])
+    tmp = out / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out / STATE_FILE)
+    return files + [out / STATE_FILE]
+
+
+def load_train_state(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(train_state.json's content, the shards' tensors) of a directory a resumable run wrote."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    f = path / STATE_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"{f} not found: --resume needs the output directory of a --resumable run")
+    state = json.loads(f.read_text())
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"{f} has format {state.get('format')!r}; this version reads format {STATE_FORMAT}")
+    tensors: dict[str, Tensor] = {}
+    for name in state["shards"]:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"{path / name} not found (listed in {f})")
+        tensors.update(load_file(str(path / name)))
+    return state, tensors
+
+
+def _resume_mismatches(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """The config fields that differ from the saved run's, except those a resume may change."""
+    given = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as lists, as the JSON holds them
+    return [f"{k}: saved {saved.get(k)!r}, given {given.get(k)!r}" for k in sorted(set(saved) | set(given))
+            if k not in RESUME_MAY_CHANGE and saved.get(k) != given.get(k)]
+
+
+def _state_tensors(model: OuroForCausalLM, opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """The last step's weights and AdamW moments, rounded to BF16 (on the CPU)."""
+    params = list(model.named_parameters())
+    out = {f"weights/{n}": p.detach().to(torch.bfloat16).cpu() for n, p in params}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for n, p in params:
+            st = opt.state.get(p)
+            out[f"{kind}/{n}"] = (st[kind] if st else torch.zeros_like(p)).detach().to(torch.bfloat16).cpu()
+    return out
+
+
+def _load_state_tensors(model: OuroForCausalLM, opt: torch.optim.Optimizer, tensors: dict[str, Tensor], step: int) -> None:
+    """Put saved weights and moments into ``model`` and ``opt`` (up-cast to their FP32)."""
+    params = list(model.named_parameters())
+    want = {f"{kind}/{n}" for kind in ("weights", "exp_avg", "exp_avg_sq") for n, _ in params}
+    if want != tensors.keys():
+        raise ValueError(f"the saved state does not match the model: missing {sorted(want - tensors.keys())[:4]}, "
+                         f"unexpected {sorted(tensors.keys() - want)[:4]}")
+    with torch.no_grad():
+        for n, p in params:
+            p.copy_(tensors[f"weights/{n}"])
+    names = {id(p): n for n, p in params}
+    sd = opt.state_dict()  # load_state_dict casts the moments to each parameter's dtype and device
+    order = [names[id(p)] for group in opt.param_groups for p in group["params"]]
+    sd["state"] = {i: {"step": torch.tensor(float(step)), "exp_avg": tensors[f"exp_avg/{n}"],
+                       "exp_avg_sq": tensors[f"exp_avg_sq/{n}"]} for i, n in enumerate(order)}
+    opt.load_state_dict(sd)
+
+
+def _rng_states(gen: torch.Generator, device: torch.device) -> dict[str, Any]:
+    """What the data order and dropout continue from: the batch sampler's generator and the
+    global torch (and CUDA) generators; Python's too, though training draws nothing from it."""
+    return {
+        "batch_generator": {"device": device.type, "state": _b64(gen.get_state())},
+        "torch": _b64(torch.get_rng_state()),
+        "torch_cuda": _b64(torch.cuda.get_rng_state(device)) if device.type == "cuda" else None,
+        "python": random.getstate(),
+    }
+
+
+def _restore_rng_states(rng: dict[str, Any], gen: torch.Generator, device: torch.device, seed: int, step: int) -> bool:
+    """Restore :func:`_rng_states`; True if the batch order continues exactly. A generator of
+    another device type has another state format: then the batch sampler and dropout are reseeded
+    from (seed, step), deterministic but not the batches an uninterrupted run would draw."""
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(_unb64(rng["torch"]))
+    if rng["batch_generator"]["device"] != device.type:
+        gen.manual_seed(seed * 1_000_003 + step)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed * 1_000_003 + step)
+        return False
+    gen.set_state(_unb64(rng["batch_generator"]["state"]))
+    if device.type == "cuda" and rng["torch_cuda"] is not None:
+        torch.cuda.set_rng_state(_unb64(rng["torch_cuda"]), device)
+    return True
+
+
+def _data_fingerprint(stream: Tensor) -> dict[str, Any]:
+    """Length and sha256 of the training token stream: a resume must sample the same data."""
+    return {"tokens": int(stream.numel()), "sha256": hashlib.sha256(stream.cpu().numpy().tobytes()).hexdigest()}
+
+
 def train(
     cfg: TrainConfig,
     out_dir: str | os.PathLike | None,
@@ -238,9 +471,31 @@ def train(
     corpus: Corpus | None = None,
     command: str | None = None,
     log: Callable[[str], None] = print,
+    resume: str | os.PathLike | None = None,
 ) -> tuple[OuroForCausalLM, dict[str, Any]]:
-    """Train, save to ``out_dir`` (unless None) and return (model, summary)."""
+    """Train, save to ``out_dir`` (unless None) and return (model, summary).
+
+    ``resume``: a directory a resumable run wrote (it may be ``out_dir`` itself: everything is read
+    before anything is written). The run continues from its step with its weights, moments, RNG
+    states and best weights; ``cfg`` must equal its config except for :data:`RESUME_MAY_CHANGE`.
+    """
     t_start = time.perf_counter()
+    resumed: tuple[dict[str, Any], dict[str, Tensor]] | None = None
+    previous_log = ""
+    if resume is not None:
+        resumed = load_train_state(resume)
+        cfg = dataclasses.replace(cfg, resumable=True)
+        differ = _resume_mismatches(resumed[0]["config"], cfg)
+        if differ:
+            raise ValueError(f"cannot resume {resume}: options differ from the saved run's ({'; '.join(differ)}); "
+                             f"a resume may change only {', '.join(RESUME_MAY_CHANGE)}")
+        if (Path(resume) / "train_log.txt").is_file():
+            previous_log = (Path(resume) / "train_log.txt").read_text()
+    if cfg.resumable:
+        if not cfg.max_steps:
+            raise ValueError("resumable training needs max_steps (--max-steps): the LR schedule of a run split over "
+                             "several calls spans a step budget, and seconds is only one call's wall budget")
+        _check_state_cap(cfg)
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     log_file = None
@@ -248,6 +503,7 @@ def train(
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "command.txt").write_text((command or "(library call)") + "\n")
         log_file = open(Path(out_dir) / "train_log.txt", "w")
+        log_file.write(previous_log)
 
     def emit(msg: str) -> None:
         log(msg)
@@ -267,7 +523,14 @@ def train(
     unigram = unigram_bits_per_byte(train_docs, held_docs)
     train_docs = mix_retrieval_documents(train_docs, cfg.retrieval_fraction, length=cfg.seq_len, pairs=cfg.retrieval_pairs,
                                          seed=cfg.seed)
-    stream = token_stream(train_docs, tok).to(device)
+    stream = token_stream(train_docs, tok)
+    data = _data_fingerprint(stream) if cfg.resumable else None
+    if resumed is not None and resumed[0]["data"] != data:
+        raise ValueError(f"cannot resume {resume}: the training data differ from the saved run's "
+                         f"({resumed[0]['data']['tokens']:,} tokens, sha256 {resumed[0]['data']['sha256'][:12]}; now "
+                         f"{data['tokens']:,} tokens, sha256 {data['sha256'][:12]}): the corpus (the interpreter's "
+                         f"stdlib, --packages, --corpus-root) is not the one the run started on")
+    stream = stream.to(device)
 
     def eval_rows(docs: list[bytes], seed: int) -> Tensor | None:
         """Fixed random windows of a split's stream (at most eval_batches * batch of them)."""
@@ -296,6 +559,8 @@ def train(
     if cfg.compile:
         step_fn = torch.compile(loss_fn)
 
+    if resumed is not None:
+        emit(f"=== resumed from {resume} at step {resumed[0]['step']} of {cfg.max_steps}")
     emit(f"command: {command or '(library call)'}")
     emit(f"python {platform.python_version()} torch {torch.__version__} device {device}"
          + (f" ({torch.cuda.get_device_name(device)})" if use_cuda else ""))
@@ -311,17 +576,34 @@ def train(
     offsets = torch.arange(cfg.seq_len + 1, device=device)
     high = stream.numel() - cfg.seq_len - 1
     step, tokens_seen, history = 0, 0, []
-    t_loop = time.perf_counter()
-    t_log, tok_log = t_loop, 0
-    first_step = 0.0  # seconds step 1 took (torch.compile's warm-up happens there)
-    loss_acc, ce_acc, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
-    last_eval: float | None = None
     select_rows = valid_rows if valid_rows is not None else held_rows
     select_name = "valid" if valid_rows is not None else "held-out"
     best: tuple[float, int, dict[str, Tensor]] | None = None
+    seconds_before, calls = 0.0, 1
+    if resumed is not None:
+        state, tensors = resumed
+        step, tokens_seen = state["step"], state["tokens"]
+        seconds_before, calls = state["train_seconds"], state["calls"] + 1
+        _load_state_tensors(model, opt, tensors, step)
+        del tensors
+        if cfg.select_best and state["best"] is not None:
+            best_weights = OuroForCausalLM.from_pretrained(resume, dtype=torch.float32, device=device).state_dict()
+            best = (state["best"]["bits_per_byte"], state["best"]["step"], best_weights)
+        exact = _restore_rng_states(state["rng"], gen, device, cfg.seed, step)
+        emit(f"resumed: step {step} of {cfg.max_steps}, {tokens_seen / 1e6:.1f}M tokens, {seconds_before:.1f} s in "
+             f"{calls - 1} earlier run(s); weights and AdamW moments read back from BF16; best "
+             + (f"{select_name} {best[0]:.3f} bits/byte at step {best[1]}" if best else "none")
+             + ("" if exact else "; the state's generators were of another device type: batches reseeded from (seed, step)"))
+    step_start, tokens_start = step, tokens_seen
+    t_loop = time.perf_counter()
+    t_log, tok_log = t_loop, tokens_seen
+    first_step = 0.0  # seconds step 1 took (torch.compile's warm-up happens there)
+    loss_acc, ce_acc, n_acc = torch.zeros((), device=device), torch.zeros((), device=device), 0
+    last_eval: float | None = None
     while True:
         elapsed = time.perf_counter() - t_loop
-        if (cfg.max_steps is not None and step >= cfg.max_steps) or elapsed >= cfg.seconds:
+        if ((cfg.max_steps is not None and step >= cfg.max_steps) or elapsed >= cfg.seconds
+                or (cfg.call_steps is not None and step - step_start >= cfg.call_steps)):
             break
         lr = _lr_at(cfg, step, elapsed, first_step)
         for group in opt.param_groups:
@@ -335,7 +617,7 @@ def train(
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if step == 1:
+        if step == step_start + 1:
             first_step = time.perf_counter() - t_loop
         tokens_seen += batch.numel() - batch.shape[0]
         loss_acc += loss.detach()
@@ -357,9 +639,14 @@ def train(
                     best = (last_eval, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
                     msg += " (best)"
             emit(msg)
+            # batch_digest: the sum of the batch's window starts, a fingerprint of the data order
             history.append({"step": step, "seconds": round(now - t_loop, 2), "loss": avg_loss, "ce": avg_ce, "lr": lr,
-                            "tokens_per_s": rate, "heldout_bpb": last_eval if step % cfg.eval_every == 0 else None})
+                            "tokens_per_s": rate, "heldout_bpb": last_eval if step % cfg.eval_every == 0 else None,
+                            "batch_digest": int(starts.sum())})
     train_seconds = time.perf_counter() - t_loop
+    if cfg.resumable:  # the last step's state, before selection and rounding touch the weights
+        rng = _rng_states(gen, device)
+        last_state = _state_tensors(model, opt)
     final_select = _heldout_bpb(model, select_rows, cfg.batch, use_cuda)
     saved_step = step
     if cfg.select_best and best is not None and best[0] < final_select:
@@ -375,6 +662,7 @@ def train(
         final_select = _heldout_bpb(model, select_rows, cfg.batch, use_cuda)
     final_bpb = _heldout_bpb(model, held_rows, cfg.batch, use_cuda)
     model.eval()
+    run_tokens = tokens_seen - tokens_start
     summary = {
         "steps": step,
         "saved_step": saved_step,
@@ -382,7 +670,7 @@ def train(
         "tokens": tokens_seen,
         "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.perf_counter() - t_start, 1),
-        "tokens_per_second": tokens_seen / max(train_seconds, 1e-9),
+        "tokens_per_second": run_tokens / max(train_seconds, 1e-9),
         "heldout_bits_per_byte": final_bpb,
         "heldout_rows": int(held_rows.shape[0]),
         "unigram_bits_per_byte": unigram,
@@ -395,8 +683,13 @@ def train(
         "device": torch.cuda.get_device_name(device) if use_cuda else "cpu",
         "config": dataclasses.asdict(cfg),
     }
-    emit(f"done: {step} steps, {tokens_seen / 1e6:.1f}M tokens in {train_seconds:.1f} s "
-         f"({summary['tokens_per_second'] / 1e3:,.0f}k tok/s)")
+    if cfg.resumable:
+        summary.update({"resumed_from": str(resume) if resume is not None else None, "resumed_at_step": step_start,
+                        "max_steps": cfg.max_steps, "finished": step >= cfg.max_steps, "runs": calls,
+                        "train_seconds_total": round(seconds_before + train_seconds, 1)})
+    emit(f"done: {step} steps, {tokens_seen / 1e6:.1f}M tokens"
+         + (f" ({step - step_start} steps, {run_tokens / 1e6:.1f}M tokens in this run)" if step_start else "")
+         + f" in {train_seconds:.1f} s ({summary['tokens_per_second'] / 1e3:,.0f}k tok/s)")
     emit(f"saved weights: step {saved_step} ({'the best evaluation' if saved_step != step else 'the last step'}), "
          f"rounded to {cfg.save_dtype}: {select_name} {final_select:.3f} bits/byte")
     emit(f"held-out (last loop, {held_rows.shape[0]} x {cfg.seq_len} tokens{', bf16 autocast' if use_cuda else ''}): "
@@ -407,7 +700,22 @@ def train(
         model.to(save_dtype).save_pretrained(out)
         model.float()
         emit(f"saved: {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB, {cfg.save_dtype} weights)")
+        if cfg.resumable:
+            state = {
+                "step": step, "tokens": tokens_seen, "max_steps": cfg.max_steps,
+                "schedule": {"progress": min(step / cfg.max_steps, 1.0), "next_lr": _lr_at(cfg, step, 0.0),
+                             "warmup_steps": cfg.warmup_steps},
+                # model.safetensors: the best weights as stored (rounded), with their bits/byte
+                "best": {"bits_per_byte": final_select, "step": saved_step, "split": select_name} if cfg.select_best else None,
+                "train_seconds": seconds_before + train_seconds, "calls": calls,
+                "config": dataclasses.asdict(cfg), "data": data, "rng": rng, "weights_dtype": "bfloat16",
+            }
+            files = save_train_state(out, state, last_state)
+            size = sum(f.stat().st_size for f in files) + (out / "model.safetensors").stat().st_size
+            emit(f"resumable state: step {step} of {cfg.max_steps}"
+                 + (" (finished)" if step >= cfg.max_steps else f"; continue with --resume {out}")
+                 + f": {STATE_FILE} + {len(files) - 1} shard(s), {size / 2**20:.1f} MiB with model.safetensors "
+                 f"(cap {cfg.state_cap_mib:g} MiB)")
         emit("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}, sort_keys=True))
         log_file.close()
     return model, summary
-
