@@ -745,14 +745,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         layers=args.layers, hidden=args.hidden, head_dim=args.head_dim, intermediate=args.intermediate,
         seq_len=args.seq_len, batch=args.batch, lr=args.lr, warmup_steps=args.warmup, aux_weight=args.aux_weight,
         dropout=args.dropout, valid_percent=args.valid_percent, select_best=args.select_best, save_dtype=args.save_dtype,
-        seconds=args.seconds, max_steps=args.max_steps, log_every=args.log_every, eval_every=args.eval_every,
+        seconds=args.seconds, max_steps=args.max_steps, call_steps=args.call_steps, log_every=args.log_every,
+        eval_every=args.eval_every,
         seed=args.seed, heldout_percent=args.heldout_percent, compile=args.compile, device=_quality_device(args.device),
         corpus_max_docs=args.max_docs, corpus_max_doc_bytes=args.max_doc_bytes,
         corpus_packages=tuple(args.packages or ()), retrieval_fraction=args.retrieval_fraction,
-        retrieval_pairs=args.retrieval_pairs,
+        retrieval_pairs=args.retrieval_pairs, resumable=args.resumable or args.resume is not None,
+        state_cap_mib=args.state_cap_mib,
     )
+    args.resumable = cfg.resumable  # recorded as it runs: a resumed run is resumable
     train(cfg, args.out, corpus=_quality_corpus(args), command=_train_command(args),
-          log=lambda m: print(m, flush=True))
+          log=lambda m: print(m, flush=True), resume=args.resume)
     return 0
 
 
@@ -830,8 +833,19 @@ def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
 
     t = sub.add_parser("train", parents=[common], help="train a small Ouro model from scratch on the stdlib source (byte level)")
     t.add_argument("--out", required=True, help="checkpoint directory (HF layout + train_log.txt + command.txt)")
-    t.add_argument("--seconds", type=float, default=300.0, help="training time budget (the LR schedule spans it)")
-    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--seconds", type=float, default=300.0,
+                   help="training time budget (the LR schedule spans it; with --resumable: this call's wall budget only)")
+    t.add_argument("--max-steps", type=int, default=None,
+                   help="step budget (required with --resumable / --resume: the LR schedule spans it across calls)")
+    t.add_argument("--call-steps", type=int, default=None,
+                   help="stop this call after this many steps (a per-call budget like --seconds; the schedule spans --max-steps)")
+    t.add_argument("--resumable", action=argparse.BooleanOptionalAction, default=False,
+                   help="also write train_state.json + train_state-*.safetensors (BF16 weights and AdamW moments) to --out")
+    t.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue the run a --resumable call wrote to DIR (same options except --seconds, --call-steps, "
+                        "--log-every, --eval-every, --device, --state-cap-mib)")
+    t.add_argument("--state-cap-mib", type=float, default=48.0,
+                   help="refuse to start a resumable run whose state (shards + model.safetensors) would exceed this")
     t.add_argument("--layers", type=int, default=6)
     t.add_argument("--hidden", type=int, default=256)
     t.add_argument("--head-dim", type=int, default=64)
