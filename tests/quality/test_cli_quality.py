@@ -62,3 +62,20 @@ def test_calibrate_cli(tmp_path, capsys):
     assert json.loads(js.read_text())["config"] == loaded.to_dict()
     # the calibrated file is accepted by eval --configs and by generate --options
     assert main(["generate", "--preset", "tiny", "--prompt-len", "70", "--new-tokens", "2", "--options", cfg.read_text()]) == 0
+
+
+def test_train_cli_resume(tmp_path, capsys):
+    first, rest = tmp_path / "first", tmp_path / "rest"
+    base = ["train", "--seconds", "60", "--max-steps", "4", "--layers", "1", "--hidden", "64", "--head-dim", "32",
+            "--seq-len", "32", "--batch", "2", "--warmup", "1", "--log-every", "1", "--eval-every", "2", "--max-docs", "10",
+            "--device", "cpu"]
+    assert main(base + ["--out", str(first), "--resumable", "--call-steps", "2"]) == 0
+    assert "continue with --resume" in capsys.readouterr().out
+    assert main(base + ["--out", str(rest), "--resume", str(first)]) == 0
+    assert "resumed: step 2 of 4" in capsys.readouterr().out
+    assert json.loads((rest / "train_state.json").read_text())["step"] == 4
+    again = vars(build_parser().parse_args((rest / "command.txt").read_text().split()[3:]))
+    assert again["resume"] == str(first) and again["resumable"] is True
+    # without --max-steps a resumable run is refused (the error, not a traceback)
+    assert main([a for a in base if a not in ("--max-steps", "4")] + ["--out", str(tmp_path / "x"), "--resumable"]) == 1
+    assert "needs max_steps" in capsys.readouterr().err
