@@ -19,10 +19,33 @@
 #   bash scripts/train_on_gpu.sh                            # writes under $OUT (the device tool sets it)
 #   TRAIN_SECONDS=60 EVAL_SECONDS=40 bash scripts/train_on_gpu.sh   # smoke run
 #   EVAL_ENGINE=compiled bash scripts/train_on_gpu.sh               # evaluate through the compiled engines
+#
+# Training longer than one call (docs/QUALITY.md, "Training across calls"): a resumable run needs
+# MAX_STEPS (the LR schedule spans it; TRAIN_SECONDS is then one call's wall budget) and also
+# writes ckpt/train_state.json + ckpt/train_state-0000N.safetensors (BF16 weights and AdamW
+# moments in shards of at most 15 MiB: the default shape's are 30 MiB in 3 shards, 40 MiB with
+# model.safetensors, under the 48 MiB a call can carry in beside the repository). With the 4
+# checkpoint files that is 8 files, all the device tool returns, so such a call is TRAIN_ONLY (the default
+# when RESUMABLE=1 or RESUME is set): no redundancy, calibration or eval, only ckpt/ under $OUT,
+# run.log not written there (its output is the call's output), TRAIN_SECONDS 420 by default
+# (~60 s of it torch.compile's, paid again every call). Copy the returned ckpt/ into the
+# git-ignored out/resume/ and carry it into the next call:
+#   RESUMABLE=1 MAX_STEPS=8000 bash scripts/train_on_gpu.sh        # first call
+#   RESUME=out/resume MAX_STEPS=8000 bash scripts/train_on_gpu.sh  # each later call (carry: out/resume)
+#   RESUME=out/resume MAX_STEPS=8000 TRAIN_ONLY=0 TRAIN_SECONDS=200 bash scripts/train_on_gpu.sh
+#       # last call: finish, then redundancy, calibration and eval; the state files are left out of
+#       # $OUT (4 ckpt files + report.md, results.json, calibrated_config.json, run.log = 8)
+# The options (shape, data, MAX_STEPS) must be the same in every call; only TRAIN_SECONDS, the
+# log/eval intervals and DEVICE may change.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/quality}
-TRAIN_SECONDS=${TRAIN_SECONDS:-270}
+RESUME=${RESUME:-}
+RESUMABLE=${RESUMABLE:-0}
+[ -n "$RESUME" ] && RESUMABLE=1
+MAX_STEPS=${MAX_STEPS:-}
+TRAIN_ONLY=${TRAIN_ONLY:-$RESUMABLE}
+if [ "$TRAIN_ONLY" = 1 ]; then TRAIN_SECONDS=${TRAIN_SECONDS:-420}; else TRAIN_SECONDS=${TRAIN_SECONDS:-270}; fi
 LAYERS=${LAYERS:-6}
 HIDDEN=${HIDDEN:-256}
 SEQ_LEN=${SEQ_LEN:-1024}
@@ -42,6 +65,10 @@ CONTEXTS=${CONTEXTS:-1024,2048}         # perplexity contexts: the trained one a
 RETRIEVAL_CONTEXT=${RETRIEVAL_CONTEXT:-1024}
 DEVICE=${DEVICE:-cuda}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
+RESUME_ARGS=()
+[ -n "$MAX_STEPS" ] && RESUME_ARGS+=(--max-steps "$MAX_STEPS")
+[ "$RESUMABLE" = 1 ] && RESUME_ARGS+=(--resumable)
+[ -n "$RESUME" ] && RESUME_ARGS+=(--resume "$RESUME")
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 CK="$OUT/ckpt"
@@ -58,7 +85,8 @@ res, md = {}, ["# Quality run", ""]
 log = ck / "train_log.txt"
 if log.is_file():
     lines = log.read_text().splitlines()
-    summary = next((json.loads(l[len("summary: "):]) for l in lines if l.startswith("summary: ")), None)
+    # the last summary: a resumed run's log begins with the earlier calls'
+    summary = next((json.loads(l[len("summary: "):]) for l in reversed(lines) if l.startswith("summary: ")), None)
     res["train"] = summary
     md += ["## Training", "", "```"] + [l for l in lines if l.startswith(("command:", "python", "corpus:", "unigram", "parameters:", "done:", "saved weights:", "held-out", "saved:"))] + ["```", ""]
 for part in ("redundancy", "calibration", "eval"):
@@ -78,14 +106,23 @@ step() {  # step NAME COMMAND...: run, time, keep going on failure
   echo "=== $name: $*"
   "$@" || echo "=== $name FAILED (exit $?)"
   echo "=== $name took $((SECONDS - t0)) s"
-  merge
+  [ "$TRAIN_ONLY" = 1 ] || merge
 }
+LOG="$OUT/run.log"
+[ "$TRAIN_ONLY" = 1 ] && LOG="$TMP/run.log"  # only ckpt/ comes back: the call's output holds the log
 
 {
   echo "=== $(date -u) $(hostname); $($PY -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))')"
   step train timeout $((${TRAIN_SECONDS%.*} + 150)) $CLI train --out "$CK" --seconds "$TRAIN_SECONDS" --layers "$LAYERS" --hidden "$HIDDEN" \
-    --seq-len "$SEQ_LEN" --batch "$BATCH" --lr "$LR" $COMPILE --device "$DEVICE" $TRAIN_EXTRA
-  if [ -f "$CK/model.safetensors" ]; then
+    --seq-len "$SEQ_LEN" --batch "$BATCH" --lr "$LR" $COMPILE --device "$DEVICE" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} $TRAIN_EXTRA
+  if [ "$TRAIN_ONLY" = 1 ]; then
+    echo "=== TRAIN_ONLY: $(find "$OUT" -type f | wc -l) files under $OUT (the device tool returns 8):"
+    ls -l "$CK"
+  elif [ -f "$CK/model.safetensors" ]; then
+    if [ "$RESUMABLE" = 1 ]; then  # 8 files: 4 checkpoint + 4 reports; the state stays behind
+      mkdir -p "$TMP/state" && mv "$CK"/train_state* "$TMP/state/" 2>/dev/null
+      echo "=== the resumable state is left out of \$OUT (run TRAIN_ONLY=1 to continue training instead)"
+    fi
     step redundancy timeout 90 $CLI redundancy --checkpoint "$CK" --device "$DEVICE" --seqs "$REDUNDANCY_SEQS" --seq-len "$ANALYSIS_LEN" \
       --json "$TMP/redundancy.json" --markdown "$TMP/redundancy.md"
     step calibration timeout 90 $CLI calibrate --checkpoint "$CK" --device "$DEVICE" --seqs "$CALIBRATION_SEQS" --seq-len "$ANALYSIS_LEN" \
@@ -98,4 +135,4 @@ step() {  # step NAME COMMAND...: run, time, keep going on failure
       --engine "$EVAL_ENGINE" --json "$TMP/eval.json" --markdown "$TMP/eval.md"
   fi
   echo "=== done in $SECONDS s"
-} 2>&1 | tee "$OUT/run.log"
+} 2>&1 | tee "$LOG"
