@@ -27,16 +27,16 @@ Resumable training (``resumable=True`` or ``train(..., resume=DIR)``; CLI ``--re
 ``--resume DIR``) splits one run over several processes, e.g. device calls of a few minutes whose
 state travels as files. The LR schedule is then a function of the step alone (warm-up over the
 first ``warmup_steps`` of the whole run, cosine over ``max_steps``, which is required), so every
-call continues it where the last stopped, and ``seconds`` is only the wall budget of one call. Besides
-the checkpoint, the output directory holds ``train_state.json`` (step, tokens, schedule position,
-best valid bits/byte and its step, the config, the data's fingerprint, the RNG states, seconds so far)
-and ``train_state-00001.safetensors``, ...: the last step's weights and AdamW's ``exp_avg`` and
-``exp_avg_sq`` in BF16, in shards of at most 15 MiB. BF16 is what fits the transfer limits
-(:data:`STATE_CAP_MIB`); it rounds the FP32 master weights once per resume (by at most ``2**-8``
-of each weight: for weights of ~0.06, about one update at the schedule's final LR) and the
-moments to 8 significant bits, which Adam's normalized update barely notices. ``model.safetensors`` keeps the selected
-best weights; a resumed run compares its evaluations with the recorded best bits/byte and keeps
-those weights unless it beats them.
+call continues it where the last stopped, and ``seconds`` is only the wall budget of one call.
+Besides the checkpoint, the output directory holds ``train_state.json`` (step, tokens, schedule
+position, best valid bits/byte and its step, the config, the data's fingerprint, the RNG states,
+seconds so far) and ``train_state-00001.safetensors``, ...: the last step's weights and AdamW's
+``exp_avg`` and ``exp_avg_sq`` in BF16, in shards of at most 15 MiB. BF16 is what fits the
+transfer limits (:data:`STATE_CAP_MIB`); it rounds the FP32 master weights once per resume (by at
+most ``2**-8`` of each weight: for weights of ~0.06, about one update at the schedule's final LR)
+and the moments to 8 significant bits, which Adam's normalized update barely notices.
+``model.safetensors`` keeps the selected best weights; a resumed run compares its evaluations with
+the recorded best bits/byte and keeps those weights unless it beats them.
 """
 
 from __future__ import annotations
