@@ -1,7 +1,8 @@
-"""The packed write's INT4 codes (packed_codec._codes, round half to even by the 1.5 * 2^23 add)
-equal the reference codec's torch.round at exact ties, next to them, outside the code range and
-for constant groups: random data almost never lands on a tie, so the write tests alone would
-not see a rounding rule that breaks them."""
+"""The packed write's INT4 codes (packed_codec._codes: a reciprocal's estimate, then an exact test
+against the nearest half-integer) equal the reference codec's torch.round of a correctly rounded
+division at exact ties, next to them, on quotients that only round onto a tie, outside the code
+range and for constant groups: random data almost never lands on a tie, so the write tests alone
+would not see a rounding rule that breaks them."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def _codes_kernel(x, mn, sc, out, N: tl.constexpr):
 
 
 def _kernel_codes(x: torch.Tensor, mn: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(N, dtype=torch.int32)
-    _codes_kernel[(1,)](x, mn, sc, out, N=N)
+    n = x.numel()
+    out = torch.empty(n, dtype=torch.int32)
+    _codes_kernel[(1,)](x, mn, sc, out, N=n)
     return out
 
 
@@ -77,3 +79,24 @@ def test_random_groups_match_the_reference(seed, scale, minimum):
     q[::4] = torch.floor(q[::4]) + 0.5
     x = mn.float() + q * sc.float()
     assert torch.equal(_kernel_codes(x, mn, sc), _reference_codes(x, mn, sc))
+
+
+def test_quotients_next_to_ties_for_any_scale():
+    """x - min within a few FP32 steps of (k + 0.5) * scale, for scales with full fp16 mantissas (and
+    subnormal ones): the quotient's estimate through the reciprocal cannot tell these apart, the
+    exact test against the half-integer must."""
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    mant = torch.randint(1, 2048, (n,), generator=g).float()
+    scale = (mant * 2.0 ** torch.randint(-24, -4, (n,), generator=g).float()).to(torch.float16)
+    c = (torch.randint(-1, 17, (n,), generator=g) + 0.5).float()
+    d = c * scale.float()  # exact: 6 + 11 significant bits
+    step = torch.randint(-3, 4, (n,), generator=g)
+    for k in range(3):  # move d by |step| FP32 steps up or down
+        d = torch.where(step.abs() > k, torch.nextafter(d, d + step.sign() * torch.ones_like(d)), d)
+    assert bool((step == 0).any()) and bool((step != 0).any())
+    for minimum in (0.0, -2.0**-6):
+        mn = torch.full((n,), minimum, dtype=torch.float16)
+        x = mn.float() + d
+        got, want = _kernel_codes(x, mn, scale), _reference_codes(x, mn, scale)
+        assert torch.equal(got, want), int((got != want).sum())

@@ -14,8 +14,8 @@ row of packed codes is loaded once as [*, D/2] bytes and never interleaved in re
 
 Quantization matches :mod:`flashloop_compile.reference.codec` bit for bit: FP32 min/max,
 scale = fp16((max - min) / 15) with a correctly rounded division (``div_rn``), codes =
-clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (round-half-even by the 1.5 * 2^23 add),
-constant groups scale 0 / codes 0; decode min + scale * code in FP32 (scale * code is exact, so
+clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (decided without a division per
+element: ``_codes``), constant groups scale 0 / codes 0; decode min + scale * code in FP32 (scale * code is exact, so
 an FMA contraction cannot change it). Compute-dtype outputs are rounded to nearest even
 explicitly (the interpreter truncates float32 -> bfloat16).
 """
@@ -81,18 +81,30 @@ def _round_to(x, CD: tl.constexpr):
 
 @triton.jit
 def _codes(x, mn, sc):
-    """INT4 codes (int32) of x (fp32) against fp16 parameters (broadcastable)."""
+    """INT4 codes (int32) of x (fp32) against fp16 parameters (broadcastable): clamp(round_half_even(
+    div_rn(x - min, scale)), 0, 15), the reference codec's codes bit for bit, with no division per
+    element (a correctly rounded one costs a range check and a slow-path branch per element: FCHK
+    + CALL in the SASS). The quotient q = d / scale (d = x - min) is estimated through the scale's
+    reciprocal (one division per parameter); the estimate is far within 0.5 of q, so the code is f
+    or f + 1 for f = floor(estimate), decided by where fl(q) lies against c = f + 0.5. With f
+    clamped to [-1, 15] (codes clamp anyway), c has at most 5 significant bits and the fp16 scale
+    11, so c * scale is exact and the sign of e = d - c * scale (rounded or fused) is exact. And
+    fl(q) == c only where d == c * scale: FP32 values next to c * scale lie more than half an ulp
+    of c (times the scale) away from it. So e > 0 means above c (f + 1), e < 0 below (f), e == 0 a
+    tie (to even). tests/lowering/test_codes_rounding.py checks ties, their neighbours and random
+    groups against the reference."""
     m32 = mn.to(tl.float32)
     s32 = sc.to(tl.float32)
     pos = s32 > 0.0
     safe = tl.where(pos, s32, 1.0)
-    q = tl.math.div_rn(x - m32, safe)
-    # round half to even by the 1.5 * 2^23 add: for |q| < 2^22 the sum lies in [2^23, 2^24),
-    # where FP32 steps by 1, so the add rounds q to the nearest integer, ties to even (the
-    # constant is even); a larger |q| lands outside [0, 15] either way and the clamp decides
-    r = (q + 12582912.0) - 12582912.0
-    r = tl.minimum(tl.maximum(r, 0.0), 15.0)
-    return tl.where(pos, r, 0.0).to(tl.int32)
+    inv = 1.0 / safe
+    d = x - m32
+    f = tl.minimum(tl.maximum(tl.floor(d * inv), -1.0), 15.0)
+    e = d - (f + 0.5) * safe
+    fi = f.to(tl.int32)
+    code = fi + (e > 0.0).to(tl.int32) + ((e == 0.0) & ((fi & 1) != 0)).to(tl.int32)
+    code = tl.minimum(tl.maximum(code, 0), 15)
+    return tl.where(pos, code, 0)
 
 
 @triton.jit
