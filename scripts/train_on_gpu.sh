@@ -3,7 +3,9 @@
 # report and a calibration of it. Everything lands under $OUT in at most 8 files (what the device
 # tool returns):
 #   ckpt/{config.json, model.safetensors, train_log.txt, command.txt}   the checkpoint (HF layout,
-#                    BF16 weights: 10 MiB, under the tool's 16 MiB per file)
+#                    BF16 weights: 10 MiB, under the tool's 16 MiB per file; a model over 15 MiB is
+#                    saved as model-0000i-of-0000n.safetensors + model.safetensors.index.json, and
+#                    those files count towards the 8)
 #   report.md        markdown: training summary, redundancy, calibration, quality table
 #   results.json     the same as JSON (per-document / per-trial raw numbers included)
 #   calibrated_config.json   flat FlashLoopConfig from the calibration
@@ -118,7 +120,7 @@ LOG="$OUT/run.log"
   if [ "$TRAIN_ONLY" = 1 ]; then
     echo "=== TRAIN_ONLY: $(find "$OUT" -type f | wc -l) files under $OUT (the device tool returns 8):"
     ls -l "$CK"
-  elif [ -f "$CK/model.safetensors" ]; then
+  elif [ -f "$CK/model.safetensors" ] || [ -f "$CK/model.safetensors.index.json" ]; then
     if [ "$RESUMABLE" = 1 ]; then  # 8 files: 4 checkpoint + 4 reports; the state stays behind
       mkdir -p "$TMP/state" && mv "$CK"/train_state* "$TMP/state/" 2>/dev/null
       echo "=== the resumable state is left out of \$OUT (run TRAIN_ONLY=1 to continue training instead)"

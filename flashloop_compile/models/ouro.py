@@ -503,8 +503,13 @@ class OuroForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         return model.train(hf_model_or_path.training)
 
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json and model.safetensors with the HF parameter names."""
+    def save_pretrained(self, path: str | os.PathLike, *, max_shard_bytes: int | None = None) -> list[Path]:
+        """Write config.json and the weights with the HF parameter names: model.safetensors, or,
+        where they exceed ``max_shard_bytes``, HF's sharded layout (model-0000i-of-0000n.safetensors,
+        each at most ``max_shard_bytes`` unless one tensor alone is larger, and
+        model.safetensors.index.json), which :meth:`from_pretrained` reads too. Weight files of the
+        other layout left in ``path`` by an earlier save are removed (from_pretrained prefers
+        model.safetensors). Returns the weight files written (the index included)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -513,7 +518,30 @@ class OuroForCausalLM(nn.Module):
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        nbytes = {k: v.numel() * v.element_size() for k, v in state.items()}
+        for old in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors.index.json", path / "model.safetensors"]:
+            old.unlink(missing_ok=True)
+        if max_shard_bytes is None or sum(nbytes.values()) <= max_shard_bytes:
+            save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+            return [path / "model.safetensors"]
+        groups: list[list[str]] = [[]]
+        size = 0
+        for k in state:  # in state_dict order, a new shard where the next tensor would overflow this one
+            if groups[-1] and size + nbytes[k] > max_shard_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(k)
+            size += nbytes[k]
+        files, weight_map = [], {}
+        for i, names in enumerate(groups, start=1):
+            f = path / f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            save_file({k: state[k] for k in names}, str(f), metadata={"format": "pt"})
+            weight_map.update({k: f.name for k in names})
+            files.append(f)
+        index = path / "model.safetensors.index.json"
+        index.write_text(json.dumps({"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map},
+                                    indent=2, sort_keys=True))
+        return files + [index]
 
     # -- cache ------------------------------------------------------------------------------------
     def setup_caches(

@@ -697,9 +697,12 @@ def train(
     summary["history"] = history
     if out_dir is not None:
         out = Path(out_dir)
-        model.to(save_dtype).save_pretrained(out)
+        # shards of at most SHARD_BYTES: every file fits what a device call returns (16 MiB a file)
+        weight_files = model.to(save_dtype).save_pretrained(out, max_shard_bytes=SHARD_BYTES)
         model.float()
-        emit(f"saved: {out} ({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB, {cfg.save_dtype} weights)")
+        weight_bytes = sum(f.stat().st_size for f in weight_files)
+        emit(f"saved: {out} ({weight_bytes / 2**20:.1f} MiB, {cfg.save_dtype} weights"
+             + (f", {len(weight_files) - 1} shards)" if len(weight_files) > 1 else ")"))
         if cfg.resumable:
             state = {
                 "step": step, "tokens": tokens_seen, "max_steps": cfg.max_steps,
@@ -711,10 +714,10 @@ def train(
                 "config": dataclasses.asdict(cfg), "data": data, "rng": rng, "weights_dtype": "bfloat16",
             }
             files = save_train_state(out, state, last_state)
-            size = sum(f.stat().st_size for f in files) + (out / "model.safetensors").stat().st_size
+            size = sum(f.stat().st_size for f in files) + weight_bytes
             emit(f"resumable state: step {step} of {cfg.max_steps}"
                  + (" (finished)" if step >= cfg.max_steps else f"; continue with --resume {out}")
-                 + f": {STATE_FILE} + {len(files) - 1} shard(s), {size / 2**20:.1f} MiB with model.safetensors "
+                 + f": {STATE_FILE} + {len(files) - 1} shard(s), {size / 2**20:.1f} MiB with the best weights "
                  f"(cap {cfg.state_cap_mib:g} MiB)")
         emit("summary: " + json.dumps({k: v for k, v in summary.items() if k != "history"}, sort_keys=True))
         log_file.close()

@@ -184,6 +184,27 @@ def test_save_pretrained_round_trip_gives_identical_logits(tmp_path, tiny_model)
             torch.testing.assert_close(loaded(x, readout=readout), tiny_model(x, readout=readout), rtol=0, atol=0)
 
 
+def test_save_pretrained_shards_under_a_byte_limit_and_loads_back(tmp_path, tiny_model):
+    """A checkpoint over one file's limit (the device tool returns files of at most 16 MiB) is
+    written in HF's sharded layout; a later unsharded save into the same directory replaces it."""
+    total = sum(v.numel() * v.element_size() for v in tiny_model.state_dict().values())
+    limit = total // 3
+    written = tiny_model.save_pretrained(tmp_path, max_shard_bytes=limit)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 3 and not (tmp_path / "model.safetensors").exists()
+    assert written == shards + [tmp_path / "model.safetensors.index.json"]
+    biggest = max(v.numel() * v.element_size() for v in tiny_model.state_dict().values())
+    for f in shards:
+        with safe_open(str(f), "pt") as h:
+            assert sum(h.get_tensor(k).numel() * h.get_tensor(k).element_size() for k in h.keys()) <= max(limit, biggest)
+    loaded = OuroForCausalLM.from_pretrained(tmp_path).eval()
+    x = tokens(20, seed=1)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), tiny_model(x), rtol=0, atol=0)
+    assert tiny_model.save_pretrained(tmp_path, max_shard_bytes=total) == [tmp_path / "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_sharded_checkpoint_loads(tmp_path, tiny_model):
     sd = {k: v.contiguous() for k, v in tiny_model.state_dict().items()}
     names = sorted(sd)
