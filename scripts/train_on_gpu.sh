@@ -39,11 +39,25 @@
 #       # $OUT (4 ckpt files + report.md, results.json, calibrated_config.json, run.log = 8)
 # The options (shape, data, MAX_STEPS) must be the same in every call; only TRAIN_SECONDS, the
 # log/eval intervals and DEVICE may change.
+#
+# STATE_DIR=out/train-state keeps the resumable state on the machine instead: training writes to and
+# resumes from STATE_DIR (git-ignored, so a warm machine keeps it between calls that follow each
+# other within its idle release; a fresh machine starts over), nothing of the state travels and no
+# size cap applies, and only the checkpoint files are copied to $OUT/ckpt (weights over 15 MiB in
+# shards). For a model larger than what a call can carry (about 6.3 M parameters), trained over
+# back-to-back calls of one lease:
+#   STATE_DIR=out/train-state MAX_STEPS=20000 LAYERS=8 HIDDEN=512 bash scripts/train_on_gpu.sh   # every call
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/quality}
 RESUME=${RESUME:-}
 RESUMABLE=${RESUMABLE:-0}
+STATE_DIR=${STATE_DIR:-}
+if [ -n "$STATE_DIR" ]; then
+  RESUMABLE=1
+  if [ -f "$STATE_DIR/train_state.json" ]; then RESUME=$STATE_DIR
+  else echo "=== no state in $STATE_DIR (a fresh machine, or the first call): training starts at step 0"; fi
+fi
 [ -n "$RESUME" ] && RESUMABLE=1
 MAX_STEPS=${MAX_STEPS:-}
 TRAIN_ONLY=${TRAIN_ONLY:-$RESUMABLE}
@@ -71,9 +85,11 @@ RESUME_ARGS=()
 [ -n "$MAX_STEPS" ] && RESUME_ARGS+=(--max-steps "$MAX_STEPS")
 [ "$RESUMABLE" = 1 ] && RESUME_ARGS+=(--resumable)
 [ -n "$RESUME" ] && RESUME_ARGS+=(--resume "$RESUME")
+[ -n "$STATE_DIR" ] && RESUME_ARGS+=(--state-cap-mib 1000000)  # the state stays on this machine
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 CK="$OUT/ckpt"
+TRAIN_OUT=${STATE_DIR:-$CK}
 TMP=$(mktemp -d)
 PY=${PYTHON:-python3}
 CLI="$PY -m flashloop_compile.cli"
@@ -115,8 +131,14 @@ LOG="$OUT/run.log"
 
 {
   echo "=== $(date -u) $(hostname); $($PY -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))')"
-  step train timeout $((${TRAIN_SECONDS%.*} + 150)) $CLI train --out "$CK" --seconds "$TRAIN_SECONDS" --layers "$LAYERS" --hidden "$HIDDEN" \
+  step train timeout $((${TRAIN_SECONDS%.*} + 150)) $CLI train --out "$TRAIN_OUT" --seconds "$TRAIN_SECONDS" --layers "$LAYERS" --hidden "$HIDDEN" \
     --seq-len "$SEQ_LEN" --batch "$BATCH" --lr "$LR" $COMPILE --device "$DEVICE" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} $TRAIN_EXTRA
+  if [ -n "$STATE_DIR" ]; then  # the checkpoint travels, the state stays
+    mkdir -p "$CK"
+    for f in "$STATE_DIR"/*; do
+      case "$(basename "$f")" in train_state*) ;; *) cp "$f" "$CK/" ;; esac
+    done
+  fi
   if [ "$TRAIN_ONLY" = 1 ]; then
     echo "=== TRAIN_ONLY: $(find "$OUT" -type f | wc -l) files under $OUT (the device tool returns 8):"
     ls -l "$CK"
