@@ -15,9 +15,9 @@ row of packed codes is loaded once as [*, D/2] bytes and never interleaved in re
 Quantization matches :mod:`flashloop_compile.reference.codec` bit for bit: FP32 min/max,
 scale = fp16((max - min) / 15) with a correctly rounded division (``div_rn``), codes =
 clamp(round_half_even((x - fp16 min) / fp16 scale), 0, 15) (decided without a division per
-element: ``_codes``), constant groups scale 0 / codes 0; decode min + scale * code in FP32 (scale * code is exact, so
-an FMA contraction cannot change it). Compute-dtype outputs are rounded to nearest even
-explicitly (the interpreter truncates float32 -> bfloat16).
+element: ``_codes``), constant groups scale 0 / codes 0; decode min + scale * code in FP32
+(scale * code is exact, so an FMA contraction cannot change it). Compute-dtype outputs are
+rounded to nearest even explicitly (the interpreter truncates float32 -> bfloat16).
 """
 
 from __future__ import annotations
