@@ -35,8 +35,9 @@ seconds so far) and ``train_state-00001.safetensors``, ...: the last step's weig
 transfer limits (:data:`STATE_CAP_MIB`); it rounds the FP32 master weights once per resume (by at
 most ``2**-8`` of each weight: for weights of ~0.06, about one update at the schedule's final LR)
 and the moments to 8 significant bits, which Adam's normalized update barely notices.
-``model.safetensors`` keeps the selected best weights; a resumed run compares its evaluations with
-the recorded best bits/byte and keeps those weights unless it beats them.
+The checkpoint's weights (``model.safetensors``, or its shards) are the selected best; a resumed
+run compares its evaluations with the recorded best bits/byte and keeps those weights unless it
+beats them.
 """
 
 from __future__ import annotations
@@ -708,7 +709,7 @@ def train(
                 "step": step, "tokens": tokens_seen, "max_steps": cfg.max_steps,
                 "schedule": {"progress": min(step / cfg.max_steps, 1.0), "next_lr": _lr_at(cfg, step, 0.0),
                              "warmup_steps": cfg.warmup_steps},
-                # model.safetensors: the best weights as stored (rounded), with their bits/byte
+                # the checkpoint's weights: the best as stored (rounded), with their bits/byte
                 "best": {"bits_per_byte": final_select, "step": saved_step, "split": select_name} if cfg.select_best else None,
                 "train_seconds": seconds_before + train_seconds, "calls": calls,
                 "config": dataclasses.asdict(cfg), "data": data, "rng": rng, "weights_dtype": "bfloat16",
