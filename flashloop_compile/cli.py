@@ -768,6 +768,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         docs=args.docs, contexts=_ints(args.contexts), continuation=args.continuation,
         retrieval_context=args.retrieval_context, depths=_floats(args.depths), retrieval_trials=args.trials,
         n_boot=args.n_boot, seed=args.seed, split=args.split, agreement_docs=args.agreement_docs,
+        multi_needles=args.multi_needles,
     )
     title = f"Quality vs dense: {name}"
 
@@ -889,6 +890,9 @@ def _add_quality_commands(sub, common: argparse.ArgumentParser) -> None:
     e.add_argument("--retrieval-context", type=int, default=1024)
     e.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths (needle start / context)")
     e.add_argument("--trials", type=int, default=8, help="retrieval prompts per depth (0: no retrieval)")
+    e.add_argument("--multi-needles", type=int, default=0,
+                   help="also retrieval prompts with this many needles (one asked, the others distractors with "
+                        "other keys), as their own table (0: none)")
     e.add_argument("--n-boot", type=int, default=1000)
     e.add_argument("--max-seconds", type=float, default=None, help="skip the configs that would not finish within this budget")
     e.add_argument("--split", default="heldout", choices=["heldout", "train"])

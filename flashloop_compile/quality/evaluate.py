@@ -39,6 +39,12 @@ one-call equivalence above; ``greedy=True`` decodes step by step instead). "answ
 is the share of answer positions whose teacher-forced argmax is right. Accuracy per depth and its
 delta to dense in points, with paired bootstrap intervals over trials.
 
+Multi-needle retrieval (``EvalSettings.multi_needles`` = N > 1, ``--multi-needles N``): the same
+prompts with N needles, the asked one at depth d and N - 1 distractors (other keys, other values)
+at random line boundaries; the question asks the first. It is scored as above and reported as its
+own table: the case where a sparse key set or a token-sparse loop must keep the right one of
+several similar lines.
+
 Speed: flushed blocks of the reference's quantized KV store never change, so the evaluation
 memoizes each block's reconstruction per depth (:class:`MemoizedQuantizedKVStore`: same
 values, computed once instead of at every read).
@@ -284,6 +290,7 @@ class EvalSettings:
     seed: int = 0
     split: str = "heldout"
     agreement_docs: int = 2  # with the compiled engine: documents per context also run on the reference
+    multi_needles: int = 0  # > 1: also retrieval prompts with this many needles, one asked (0: none)
 
     def __post_init__(self) -> None:
         self.contexts = tuple(int(c) for c in self.contexts)
@@ -292,6 +299,9 @@ class EvalSettings:
             raise ValueError("continuation must be >= 1 and every context >= 2 tokens")
         if any(not (0.0 <= d <= 1.0) for d in self.depths):
             raise ValueError(f"retrieval depths must lie in [0, 1], got {self.depths}")
+        if self.multi_needles < 0 or self.multi_needles == 1:
+            raise ValueError(f"multi_needles must be 0 (no multi-needle prompts) or at least 2, got {self.multi_needles} "
+                             "(one needle is the single-needle retrieval every run has)")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -375,25 +385,47 @@ class RetrievalCase:
 
 
 def build_retrieval_case(
-    filler: bytes, context: int, depth: float, rng: random.Random, tokenizer: ByteTokenizer, value_len: int = 6
+    filler: bytes, context: int, depth: float, rng: random.Random, tokenizer: ByteTokenizer, value_len: int = 6,
+    needles: int = 1,
 ) -> RetrievalCase:
-    """A prompt of exactly ``context`` tokens with the needle at relative ``depth`` (see module doc)."""
+    """A prompt of exactly ``context`` tokens with the asked needle at relative ``depth`` (see module
+    doc). ``needles`` > 1 adds needles - 1 distractors, lines of the same form with other keys, each
+    at a random line boundary of the filler; the question asks the first needle's key."""
+    if needles < 1:
+        raise ValueError(f"a retrieval prompt needs at least one needle, got needles={needles}")
     key, value = random_needle(rng, value_len)
-    needle = needle_line(key, value)
+    lines = [needle_line(key, value)]
+    keys = {key}
+    while len(lines) < needles:
+        k, v = random_needle(rng, value_len)
+        if k not in keys:
+            keys.add(k)
+            lines.append(needle_line(k, v))
     query = query_prefix(key)
     head = tokenizer.encode(b"", bos=True)
-    avail = context - len(head) - len(needle) - len(query)
+    avail = context - len(head) - sum(len(n) for n in lines) - len(query)
     if avail < 0:
-        raise ValueError(f"context {context} is too short for a needle of {len(needle)} and a query of {len(query)} bytes")
+        raise ValueError(f"context {context} is too short for {needles} needle(s) of {len(lines[0])} bytes and a query "
+                         f"of {len(query)} bytes")
     if len(filler) < avail:
         raise ValueError(f"filler of {len(filler)} bytes is shorter than the {avail} bytes the prompt needs")
-    target = round(depth * avail)
-    nl = filler.rfind(b"\n", 0, target)
-    cut = nl + 1 if nl >= 0 and target - nl <= 256 else target  # at a line boundary when one is near
-    body = filler[:cut] + needle + filler[cut:avail]
-    ids = head + list(body) + list(query)
+
+    def boundary(target: int) -> int:  # at a line boundary when one is near
+        nl = filler.rfind(b"\n", 0, target)
+        return nl + 1 if nl >= 0 and target - nl <= 256 else target
+
+    cuts = [boundary(round(depth * avail))] + [boundary(rng.randrange(avail + 1)) for _ in lines[1:]]
+    order = sorted(range(needles), key=lambda i: (cuts[i], i))
+    body, last, pos = [], 0, 0
+    for i in order:
+        body += [filler[last : cuts[i]], lines[i]]
+        if i == 0:
+            pos = len(head) + sum(len(b) for b in body[:-1])
+        last = cuts[i]
+    body.append(filler[last:avail])
+    ids = head + list(b"".join(body)) + list(query)
     assert len(ids) == context
-    return RetrievalCase(torch.tensor(ids, dtype=torch.long), key, value, needle, query, len(head) + cut, (len(head) + cut) / context)
+    return RetrievalCase(torch.tensor(ids, dtype=torch.long), key, value, lines[0], query, pos, pos / context)
 
 
 def run_retrieval_case(engine, case: RetrievalCase, *, greedy: bool = False) -> tuple[int, float]:
@@ -421,10 +453,12 @@ def run_retrieval_case(engine, case: RetrievalCase, *, greedy: bool = False) -> 
 
 
 def retrieval_cases(
-    fillers: Sequence[bytes], settings: EvalSettings, tokenizer: ByteTokenizer
+    fillers: Sequence[bytes], settings: EvalSettings, tokenizer: ByteTokenizer, needles: int = 1
 ) -> dict[float, list[RetrievalCase]]:
-    """``retrieval_trials`` cases per depth; trial i's filler starts at held-out document i."""
-    rng = random.Random(settings.seed)
+    """``retrieval_trials`` cases per depth; trial i's filler starts at held-out document i.
+    ``needles`` > 1: the multi-needle prompts (their own random stream: the single-needle cases
+    do not change when they are added)."""
+    rng = random.Random(settings.seed if needles == 1 else settings.seed * 1000 + needles)
     cases: dict[float, list[RetrievalCase]] = {}
     for depth in settings.depths:
         cases[depth] = []
@@ -434,9 +468,8 @@ def retrieval_cases(
                 parts.append(fillers[j % len(fillers)])
                 n += len(parts[-1]) + 1
                 j += 1
-            cases[depth].append(
-                build_retrieval_case(b"\n".join(parts), settings.retrieval_context, depth, rng, tokenizer, settings.value_len)
-            )
+            cases[depth].append(build_retrieval_case(
+                b"\n".join(parts), settings.retrieval_context, depth, rng, tokenizer, settings.value_len, needles))
     return cases
 
 
@@ -488,6 +521,7 @@ class QualityReport:
     configs: dict[str, dict[str, Any]]
     perplexity: dict[str, dict[str, dict[str, list]]] = field(default_factory=dict)  # ctx -> config -> per-doc lists
     retrieval: dict[str, dict[str, dict[str, list]]] = field(default_factory=dict)  # depth -> config -> per-trial lists
+    multi_retrieval: dict[str, dict[str, dict[str, list]]] = field(default_factory=dict)  # the same, multi-needle prompts
     rows: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
@@ -496,6 +530,22 @@ class QualityReport:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _retrieval_table(self, depths: list[str], prefix: str) -> list[str]:
+        head = ["config"]
+        for d in depths:
+            head += [f"acc d={d}", f"Δ pts d={d} [95% CI]"]
+        head += ["acc all", "Δ pts all [95% CI]", "answer bytes right %"]
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in self.rows:
+            cells = [f"`{r['config']}`"]
+            for d in depths:
+                a = r[f"{prefix}@{d}"]
+                cells += [f"{a['acc']:.1f} [{a['acc_lo']:.0f}, {a['acc_hi']:.0f}]", _fmt_delta(a, "delta_pts", "")]
+            a = r[f"{prefix}@all"]
+            cells += [f"{a['acc']:.1f}", _fmt_delta(a, "delta_pts", ""), f"{r[f'{prefix}_chars']:.1f}"]
+            out.append("| " + " | ".join(cells) + " |")
+        return out + [""]
 
     def to_markdown(self, title: str = "Quality vs dense") -> str:
         s = self.settings
@@ -528,25 +578,18 @@ class QualityReport:
                               f"{q['ppl']:.4f}", _fmt_delta(q, "delta_pct", "%")]
                 out.append("| " + " | ".join(cells) + " |")
             out.append("")
-        depths = list(self.retrieval)
-        if depths:
+        if self.retrieval:
             out.append(f"Retrieval exact match (%), context {s['retrieval_context']}, {s['retrieval_trials']} trials per depth "
                        "(depth = needle start / context; 0.1 is far back).")
             out.append("")
-            head = ["config"]
-            for d in depths:
-                head += [f"acc d={d}", f"Δ pts d={d} [95% CI]"]
-            head += ["acc all", "Δ pts all [95% CI]", "answer bytes right %"]
-            out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            for r in self.rows:
-                cells = [f"`{r['config']}`"]
-                for d in depths:
-                    a = r[f"retrieval@{d}"]
-                    cells += [f"{a['acc']:.1f} [{a['acc_lo']:.0f}, {a['acc_hi']:.0f}]", _fmt_delta(a, "delta_pts", "")]
-                a = r["retrieval@all"]
-                cells += [f"{a['acc']:.1f}", _fmt_delta(a, "delta_pts", ""), f"{r['retrieval_chars']:.1f}"]
-                out.append("| " + " | ".join(cells) + " |")
+            out += self._retrieval_table(list(self.retrieval), "retrieval")
+        if self.multi_retrieval:
+            n = s.get("multi_needles")
+            out.append(f"Multi-needle retrieval exact match (%), context {s['retrieval_context']}: {n} needles per prompt "
+                       f"(the asked one at depth d, {n - 1} with other keys at random line boundaries), "
+                       f"{s['retrieval_trials']} trials per depth.")
             out.append("")
+            out += self._retrieval_table(list(self.multi_retrieval), "multi")
         if self.agreement:
             out.append("The compiled engine against the reference on the same documents (every prefill and decode "
                        "logits row): argmax agreement, largest absolute logit difference and that over the reference's "
@@ -590,17 +633,19 @@ def _compute_rows(report: QualityReport, settings: EvalSettings) -> None:
             base = per["dense"]
             row[f"cont@{c}"] = ppl_stats(per[name]["cont_nll"], per[name]["cont_n"], base["cont_nll"], base["cont_n"], idx)
             row[f"prefill@{c}"] = ppl_stats(per[name]["prefill_nll"], per[name]["prefill_n"], base["prefill_nll"], base["prefill_n"], idx)
-        if report.retrieval:
+        for prefix, results, salt in (("retrieval", report.retrieval, 2000), ("multi", report.multi_retrieval, 4000)):
+            if not results:
+                continue
             all_hits, all_base, all_chars = [], [], []
-            for j, (d, per) in enumerate(report.retrieval.items()):
-                idx = bootstrap_indices(len(per[name]["exact"]), settings.n_boot, settings.seed + 2000 + j)
-                row[f"retrieval@{d}"] = acc_stats(per[name]["exact"], per["dense"]["exact"], idx)
+            for j, (d, per) in enumerate(results.items()):
+                idx = bootstrap_indices(len(per[name]["exact"]), settings.n_boot, settings.seed + salt + j)
+                row[f"{prefix}@{d}"] = acc_stats(per[name]["exact"], per["dense"]["exact"], idx)
                 all_hits += per[name]["exact"]
                 all_base += per["dense"]["exact"]
                 all_chars += per[name]["chars"]
-            idx = bootstrap_indices(len(all_hits), settings.n_boot, settings.seed + 3000)
-            row["retrieval@all"] = acc_stats(all_hits, all_base, idx)
-            row["retrieval_chars"] = 100.0 * sum(all_chars) / max(len(all_chars), 1)
+            idx = bootstrap_indices(len(all_hits), settings.n_boot, settings.seed + salt + 1000)
+            row[f"{prefix}@all"] = acc_stats(all_hits, all_base, idx)
+            row[f"{prefix}_chars"] = 100.0 * sum(all_chars) / max(len(all_chars), 1)
         row["seconds"] = report.seconds[name]
         report.rows.append(row)
 
@@ -656,9 +701,11 @@ def quality_table(
     report = QualityReport(asdict(settings), _model_info(model, model_name),
                            {n: c.resolve(num_loops).to_dict() for n, c in configs.items()})
     cases = retrieval_cases(fillers, settings, tok) if retrieval and settings.depths and settings.retrieval_trials else {}
+    multi_cases = retrieval_cases(fillers, settings, tok, settings.multi_needles) if cases and settings.multi_needles else {}
     # a compiled engine's caches hold the longest prompt plus what is decoded after it
     max_seq = max([c + settings.continuation for c in documents]
-                  + [case.tokens.numel() + settings.value_len for cs in cases.values() for case in cs] + [2])
+                  + [case.tokens.numel() + settings.value_len for cs in (*cases.values(), *multi_cases.values()) for case in cs]
+                  + [2])
     report.settings["engine"] = engine
 
     t_start = time.perf_counter()
@@ -691,11 +738,12 @@ def quality_table(
                 "cont_nll": [s.cont_nll for s in scores], "cont_n": [s.cont_n for s in scores],
                 "prefill_nll": [s.prefill_nll for s in scores], "prefill_n": [s.prefill_n for s in scores],
             }
-        for depth, cs in cases.items():
-            res = [run_retrieval_case(runner, case) for case in cs]
-            report.retrieval.setdefault(str(depth), {})[name] = {
-                "exact": [r[0] for r in res], "chars": [r[1] for r in res], "needle_pos": [case.needle_pos for case in cs],
-            }
+        for results, per_depth in ((report.retrieval, cases), (report.multi_retrieval, multi_cases)):
+            for depth, cs in per_depth.items():
+                res = [run_retrieval_case(runner, case) for case in cs]
+                results.setdefault(str(depth), {})[name] = {
+                    "exact": [r[0] for r in res], "chars": [r[1] for r in res], "needle_pos": [case.needle_pos for case in cs],
+                }
         report.seconds[name] = round(time.perf_counter() - t0, 2)
         say(f"evaluated {name} in {report.seconds[name]:.1f} s")
         if on_config is not None:

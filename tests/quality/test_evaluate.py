@@ -84,6 +84,35 @@ def test_retrieval_depth_orders_needle_positions():
     assert pos == sorted(pos) and pos[0] < 80 and pos[-1] > 300
 
 
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_multi_needle_case_holds_distinct_needles_and_asks_the_first(depth):
+    tok = ByteTokenizer()
+    single = build_retrieval_case(FILLER, 512, depth, random.Random(3), tok)
+    case = build_retrieval_case(FILLER, 512, depth, random.Random(3), tok, needles=4)
+    ids = case.tokens.tolist()
+    assert len(ids) == 512 and ids[0] == tok.bos_id
+    # the asked needle is drawn first, so it is the single-needle case's, and it sits where needle_pos says
+    assert (case.key, case.value) == (single.key, single.value)
+    assert bytes(ids[case.needle_pos : case.needle_pos + len(case.needle)]) == case.needle
+    assert bytes(ids[-len(case.query):]) == case.query == f'\n{case.key} = "'.encode()
+    text = bytes(ids[1 : -len(case.query)])
+    lines = [ln for ln in text.split(b"\n") if ln.startswith(b"needle_")]
+    assert len(lines) == 4 and len({ln.split(b" = ")[0] for ln in lines}) == 4  # four distinct keys
+    assert text.count(case.key.encode()) == 1  # the asked key appears once before the question
+    body = text
+    for ln in lines:
+        body = body.replace(ln + b"\n", b"", 1)
+    assert FILLER.startswith(body)  # the rest is the filler, in order
+    assert abs(case.depth - depth) < 0.15
+
+
+def test_multi_needle_settings_are_checked():
+    with pytest.raises(ValueError, match="multi_needles must be 0"):
+        EvalSettings(multi_needles=1)
+    with pytest.raises(ValueError, match="too short for 8 needle"):
+        build_retrieval_case(FILLER, 100, 0.5, random.Random(0), ByteTokenizer(), needles=8)
+
+
 @pytest.mark.parametrize("name", ["dense", "all-on"])
 def test_teacher_forced_retrieval_equals_greedy_decoding(tiny_model, name):
     engine = ReferenceFlashLoop(tiny_model, named_config(name))
@@ -159,6 +188,24 @@ def test_quality_table_on_the_tiny_preset(tiny_model):
     assert len(report.retrieval["0.2"]["all-on"]["exact"]) == 2
     md = report.to_markdown()
     assert "| `all-on` |" in md and "Δ% C=96" in md and "acc d=0.8" in md
+    assert "Multi-needle" not in md and not report.multi_retrieval
+    json.dumps(report.to_json())
+
+
+def test_quality_table_multi_needle_column(tiny_model):
+    settings = dataclasses.replace(SMALL, contexts=(), depths=(0.5,), multi_needles=3)
+    report = quality_table(tiny_model, parse_configs(["sda"]), settings, corpus=Corpus(), model_name="tiny")
+    plain = quality_table(tiny_model, parse_configs(["sda"]), dataclasses.replace(settings, multi_needles=0),
+                          corpus=Corpus(), model_name="tiny")
+    assert report.retrieval == plain.retrieval  # adding the multi-needle prompts leaves the single-needle ones
+    assert len(report.multi_retrieval["0.5"]["sda"]["exact"]) == 2
+    for row in report.rows:
+        for key in ("multi@0.5", "multi@all"):
+            assert 0 <= row[key]["acc"] <= 100
+        assert 0 <= row["multi_chars"] <= 100
+    assert report.rows[0]["multi@all"]["delta_pts"] == 0
+    md = report.to_markdown()
+    assert "Multi-needle retrieval exact match (%), context 128: 3 needles per prompt" in md
     json.dumps(report.to_json())
 
 
