@@ -81,6 +81,9 @@ CONTEXTS=${CONTEXTS:-1024,2048}         # perplexity contexts: the trained one a
 RETRIEVAL_CONTEXT=${RETRIEVAL_CONTEXT:-1024}
 DEVICE=${DEVICE:-cuda}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
+PACKAGES=${PACKAGES:-}                  # e.g. "torch triton sympy": joins the train corpus and eval's held-out files
+PKG_ARGS=()
+[ -n "$PACKAGES" ] && PKG_ARGS=(--packages $PACKAGES)
 RESUME_ARGS=()
 [ -n "$MAX_STEPS" ] && RESUME_ARGS+=(--max-steps "$MAX_STEPS")
 [ "$RESUMABLE" = 1 ] && RESUME_ARGS+=(--resumable)
@@ -132,7 +135,8 @@ LOG="$OUT/run.log"
 {
   echo "=== $(date -u) $(hostname); $($PY -c 'import torch,sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name(0))')"
   step train timeout $((${TRAIN_SECONDS%.*} + 150)) $CLI train --out "$TRAIN_OUT" --seconds "$TRAIN_SECONDS" --layers "$LAYERS" --hidden "$HIDDEN" \
-    --seq-len "$SEQ_LEN" --batch "$BATCH" --lr "$LR" $COMPILE --device "$DEVICE" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} $TRAIN_EXTRA
+    --seq-len "$SEQ_LEN" --batch "$BATCH" --lr "$LR" $COMPILE --device "$DEVICE" ${RESUME_ARGS[@]+"${RESUME_ARGS[@]}"} \
+    ${PKG_ARGS[@]+"${PKG_ARGS[@]}"} $TRAIN_EXTRA
   if [ -n "$STATE_DIR" ]; then  # the checkpoint travels, the state stays
     mkdir -p "$CK"
     for f in "$STATE_DIR"/*; do
@@ -156,7 +160,7 @@ LOG="$OUT/run.log"
     step eval timeout $((${EVAL_SECONDS%.*} + 60)) $CLI eval --checkpoint "$CK" --device "$DEVICE" \
       --configs $EVAL_CONFIGS $CAL $EVAL_EXTRA_CONFIGS --max-seconds "$EVAL_SECONDS" --docs "$EVAL_DOCS" \
       --contexts "$CONTEXTS" --continuation 32 --retrieval-context "$RETRIEVAL_CONTEXT" --depths 0.1,0.5,0.9 --trials "$EVAL_TRIALS" \
-      --engine "$EVAL_ENGINE" --json "$TMP/eval.json" --markdown "$TMP/eval.md"
+      --engine "$EVAL_ENGINE" ${PKG_ARGS[@]+"${PKG_ARGS[@]}"} --json "$TMP/eval.json" --markdown "$TMP/eval.md"
   fi
   echo "=== done in $SECONDS s"
 } 2>&1 | tee "$LOG"
