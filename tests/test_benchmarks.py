@@ -16,6 +16,7 @@ import sys
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,3 +343,32 @@ def test_interleaved_times_alternate_the_variants_and_run_each_ones_setup_before
     times = common.interleaved_times(fns, warmup=1, repeat=3, before=before)
     assert [len(t) for t in times] == [3, 3]
     assert calls == ["a", "b"] + ["restore a", "a", "restore b", "b"] * 3
+
+
+def test_frontier_plot_from_eval_reports(tmp_path):
+    """plot_frontier reads `eval --json` reports: the saving is R / sum(retention) (1x with
+    token-sparse prefill off), a configuration in a later report replaces the earlier row, and
+    --only selects; the PNG is written."""
+    import plot_frontier
+
+    def stats(delta):
+        return {"ppl": 1.5, "ppl_lo": 1.4, "ppl_hi": 1.6, "bits_per_byte": 0.6, "delta_pct": delta,
+                "delta_lo": delta - 0.5, "delta_hi": delta + 0.5}
+
+    def report(rows):
+        configs = {"dense": FlashLoopConfig().resolve(4).to_dict(), "all-on": FlashLoopConfig.all_on().resolve(4).to_dict()}
+        return {"perplexity": {"1024": {}}, "configs": configs,
+                "rows": [{"config": name, "cont@1024": stats(c), "prefill@1024": stats(p)} for name, c, p in rows]}
+
+    first = report([("dense", 0.0, 0.0), ("all-on", 0.2, 2.0)])
+    second = report([("all-on", 0.1, 1.5)])
+    ctx, points = plot_frontier.frontier_points([first, second])
+    assert ctx == "1024" and [p["config"] for p in points] == ["dense", "all-on"]
+    assert points[0]["saving"] == 1.0 and points[0]["retention"] is None
+    assert points[1]["saving"] == pytest.approx(4 / 2.35) and points[1]["prefill"]["delta_pct"] == 1.5
+    assert [p["config"] for p in plot_frontier.frontier_points([first], only=["all-on"])[1]] == ["all-on"]
+    with pytest.raises(ValueError, match="no report has rows at context 2048"):
+        plot_frontier.frontier_points([first], context="2048")
+    (tmp_path / "a.json").write_text(json.dumps(first))
+    plot_frontier.main([str(tmp_path / "a.json"), "-o", str(tmp_path / "f.png")])
+    assert (tmp_path / "f.png").stat().st_size > 1000
