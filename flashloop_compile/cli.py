@@ -1,7 +1,7 @@
 """``flashloop-compile``: generate, inspect, memory, bench, export, train, eval, redundancy, calibrate.
 
 ``flashloop-compile generate`` is the project's main job: the checkpoint shipped with the
-repository (a small looped LM trained on Python stdlib source, byte tokens) continues a piece of
+repository (a small looped LM trained on Python source, byte tokens) continues a piece of
 Python, dense and with FlashLoop, side by side, with their token agreement, KV bytes and time.
 
 Errors print their message and exit with status 1 (``--debug`` shows the traceback); long work
@@ -26,7 +26,7 @@ from flashloop_compile.config import FlashLoopConfig
 
 # The trained checkpoint, found relative to the repository this package is imported from (a
 # source checkout or the README's editable install: `pip install -e .`); it is not package data.
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "ouro-stdlib-6x256"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "ouro-python-6x256"
 
 # The main job's prompt: Python the checkpoint has not seen verbatim, in the style it was trained on.
 DEFAULT_PROMPT = '''import os
@@ -96,7 +96,7 @@ def _source(args: argparse.Namespace) -> tuple[str | None, str | None]:
         if not (DEFAULT_CHECKPOINT / "config.json").is_file():
             raise CLIError(
                 f"the default checkpoint is not at {DEFAULT_CHECKPOINT}: it ships with the repository "
-                "(checkpoints/ouro-stdlib-6x256) and is found from a source checkout or an editable install "
+                "(checkpoints/ouro-python-6x256) and is found from a source checkout or an editable install "
                 "(pip install -e .); pass --checkpoint DIR or --preset tiny"
             )
         return str(DEFAULT_CHECKPOINT), None
@@ -107,7 +107,7 @@ def _model_name(args: argparse.Namespace) -> str:
     checkpoint, preset = _source(args)
     if preset:
         return preset
-    return "ouro-stdlib-6x256 (shipped checkpoint)" if Path(checkpoint) == DEFAULT_CHECKPOINT else checkpoint
+    return "ouro-python-6x256 (shipped checkpoint)" if Path(checkpoint) == DEFAULT_CHECKPOINT else checkpoint
 
 
 def _load_model(args: argparse.Namespace):

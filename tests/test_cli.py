@@ -59,7 +59,7 @@ def test_default_generate_continues_text_with_the_shipped_checkpoint(capsys):
     dense and FlashLoop side by side; a trained model agrees with itself far above chance."""
     code, out, _ = _run(["generate", "--new-tokens", "12"], capsys)
     assert code == 0, out
-    assert "model: ouro-stdlib-6x256 (shipped checkpoint): 6 layers x 4 loops, float32 on cpu" in out
+    assert "model: ouro-python-6x256 (shipped checkpoint): 6 layers x 4 loops, float32 on cpu" in out
     assert "untrained" not in out
     assert "  > def find_python_files(root):" in out
     m = re.search(r"^agreement with dense: (\d+)/12 tokens", out, re.M)

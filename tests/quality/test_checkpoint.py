@@ -1,7 +1,7 @@
 """The committed trained checkpoint (skipped until it exists): it beats the unigram baseline by far,
 and the evaluation runs on it — a small slice on CPU, the default table on GPU (``pytest -m gpu``).
 
-Path: ``checkpoints/ouro-stdlib-6x256`` or ``$FLASHLOOP_QUALITY_CHECKPOINT``.
+Path: ``checkpoints/ouro-python-6x256`` or ``$FLASHLOOP_QUALITY_CHECKPOINT``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from flashloop_compile.models.ouro import OuroForCausalLM
 from flashloop_compile.quality.corpus import ByteTokenizer, Corpus, unigram_bits_per_byte
 from flashloop_compile.quality.evaluate import EvalSettings, parse_configs, quality_table
 
-CHECKPOINT = Path(os.environ.get("FLASHLOOP_QUALITY_CHECKPOINT", Path(__file__).resolve().parents[2] / "checkpoints" / "ouro-stdlib-6x256"))
+CHECKPOINT = Path(os.environ.get("FLASHLOOP_QUALITY_CHECKPOINT", Path(__file__).resolve().parents[2] / "checkpoints" / "ouro-python-6x256"))
 
 pytestmark = pytest.mark.skipif(not (CHECKPOINT / "config.json").is_file(), reason=f"no trained checkpoint at {CHECKPOINT}")
 
