@@ -73,7 +73,7 @@ EVAL_TRIALS=${EVAL_TRIALS:-8}
 EVAL_CONFIGS=${EVAL_CONFIGS:-default}
 EVAL_SECONDS=${EVAL_SECONDS:-170}
 EVAL_ENGINE=${EVAL_ENGINE:-reference}   # compiled: each config's compiled engine (compiles first: fewer configs fit)
-EVAL_EXTRA_CONFIGS=${EVAL_EXTRA_CONFIGS:-all-on@window=256 all-on@retention=0.5/0.25 all-on@key_fraction=0.25 tsp+sda}
+EVAL_EXTRA_CONFIGS=${EVAL_EXTRA_CONFIGS-all-on@window=256 all-on@retention=0.5/0.25 all-on@key_fraction=0.25 tsp+sda}  # empty: none
 REDUNDANCY_SEQS=${REDUNDANCY_SEQS:-8}
 CALIBRATION_SEQS=${CALIBRATION_SEQS:-16}
 ANALYSIS_LEN=${ANALYSIS_LEN:-1024}      # tokens per redundancy / calibration sequence
