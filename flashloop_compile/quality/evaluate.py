@@ -39,9 +39,10 @@ one-call equivalence above; ``greedy=True`` decodes step by step instead). "answ
 is the share of answer positions whose teacher-forced argmax is right. Accuracy per depth and its
 delta to dense in points, with paired bootstrap intervals over trials.
 
-Multi-needle retrieval (``EvalSettings.multi_needles`` = N > 1, ``--multi-needles N``): the same
-prompts with N needles, the asked one at depth d and N - 1 distractors (other keys, other values)
-at random line boundaries; the question asks the first. It is scored as above and reported as its
+Multi-needle retrieval (``EvalSettings.multi_needles`` = N > 1, ``--multi-needles N``): prompts
+built the same way from the same fillers (their own keys) with N needles, the asked one at depth d
+and N - 1 distractors (other keys, other values) at random line boundaries; the question asks the
+first. It is scored as above and reported as its
 own table: the case where a sparse key set or a token-sparse loop must keep the right one of
 several similar lines.
 
