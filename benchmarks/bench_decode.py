@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     OUT, PACKED_BYTES_PER_VALUE, Deadline, GpuSampler, bucket, capture_graph, compile_variant, copy_bandwidth_gbs,
-    cuda_time_ms, device, error_text, graph_replay_ms, kernel_profile, part_table, print_parts, print_profile, record, sync,
+    config_options, cuda_time_ms, device, error_text, graph_replay_ms, kernel_profile, part_table, print_parts, print_profile, record, sync,
 )
 
 CONFIGS = {
@@ -62,7 +62,7 @@ def step_parts(name: str, b: int, s: int, cfg, layer_weight_bytes: float, head_w
     """[{part, buckets, bytes}] of one decode step of config ``name`` at batch b, context s."""
     from flashloop_compile.config import FlashLoopConfig
 
-    conf = FlashLoopConfig.from_dict(CONFIGS[name])
+    conf = FlashLoopConfig.from_dict(config_options(name, CONFIGS, cfg.num_loops))
     quant = conf.kv_residual_quantization.enabled
     sd = conf.sparse_decode_attention
     heads, dim, layers, loops = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers, cfg.num_loops
@@ -155,7 +155,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--shapes", default="1x32768,4x32768,1x8192,4x8192")
-    ap.add_argument("--configs", default="dense,quant,sparse,sparse+quant")
+    ap.add_argument("--configs", default="dense,quant,sparse,sparse+quant",
+                    help=f"comma-separated, of {sorted(CONFIGS)} or quality-harness names (all-on@key_fraction=0.05)")
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True,
                     help="FlashLoop configs compile each distinct layer once (compilation.outline_layers)")
     ap.add_argument("--dense-whole", action=argparse.BooleanOptionalAction, default=True,
@@ -201,7 +202,8 @@ def main() -> None:
         gm, inputs = capture_graph(model, ids, pos)
         trace_s = time.perf_counter() - t0
         dense_ms: dict[str, float] = json.loads(args.dense_ms)
-        variants = [(n, {**CONFIGS[n], "compilation.outline_layers": args.outline}) for n in args.configs.split(",")]
+        variants = [(n, {**config_options(n, CONFIGS, cfg.num_loops), "compilation.outline_layers": args.outline})
+                    for n in args.configs.split(",")]
         if args.dense_whole and si == 0:
             variants.insert(0, ("dense-whole", {}))
         for name, options in variants:
@@ -228,7 +230,7 @@ def main() -> None:
                 continue
             ms = timing["median_ms"]
             base = name.split("-")[0] if name == "dense-whole" else name
-            kv = kv_read_bytes(base if base in CONFIGS else "dense", b, s, cfg, cfg.num_key_value_heads, cfg.head_dim,
+            kv = kv_read_bytes(base, b, s, cfg, cfg.num_key_value_heads, cfg.head_dim,
                                cfg.num_hidden_layers, cfg.num_loops)
             floor_ms = (weight_bytes * cfg.num_loops + kv) / (bw * 1e9) * 1e3
             if name.startswith("dense"):
@@ -256,7 +258,7 @@ def main() -> None:
                 try:
                     row["profile"] = kernel_profile(replay, partial(fn, *inputs), args.profile, ms)
                     if "error" not in row["profile"]:
-                        parts = step_parts(base if base in CONFIGS else "dense", b, s, cfg, layer_weight_bytes,
+                        parts = step_parts(base, b, s, cfg, layer_weight_bytes,
                                            head_weight_bytes)
                         row["parts"] = part_table(parts, row["profile"], bw)
                         row["launches_per_step"] = sum(e["launches"] for e in row["profile"]["buckets"].values())

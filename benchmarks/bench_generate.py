@@ -76,7 +76,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, Deadline, device, error_text, record, sync  # noqa: E402
+from common import OUT, Deadline, config_options, device, error_text, record, sync  # noqa: E402
 
 CONFIGS = {
     "dense": {},
@@ -173,7 +173,8 @@ class Bench:
         self.model_gb = allocated_gb()  # weights and the model's own buffers: what every item starts from
         self.inner = args.inner if args.inner != "auto" else ("inductor" if device() == "cuda" else "eager")
         self.configs = {
-            n: FlashLoopConfig.from_dict({**CONFIGS[n], "compilation.outline_layers": args.outline,
+            n: FlashLoopConfig.from_dict({**config_options(n, CONFIGS, self.model.config.num_loops),
+                                          "compilation.outline_layers": args.outline,
                                           "compilation.position_attention": args.position_attention,
                                           **json.loads(args.options)})
             for n in args.configs.split(",")
@@ -509,7 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", default="1x32768+256,4x32768+256,1x8192+256,16x8192+256",
                     help="BxPROMPT+NEW, comma-separated, in priority order ('' for none)")
-    ap.add_argument("--configs", default="dense,all_on", help=f"of {sorted(CONFIGS)}; dense first (speedups refer to it)")
+    ap.add_argument("--configs", default="dense,all_on",
+                    help=f"of {sorted(CONFIGS)} or quality-harness names (all-on@retention=1.0/0.1); dense first "
+                         "(speedups refer to it)")
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True,
                     help="compile each distinct layer once (compilation.outline_layers)")
     ap.add_argument("--options", default="{}", help="JSON object of FlashLoopConfig flat keys laid over every config "

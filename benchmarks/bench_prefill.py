@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    PACKED_BYTES_PER_VALUE, Deadline, capture_graph, compile_variant, copy_bandwidth_gbs, cuda_time_ms, device,
+    PACKED_BYTES_PER_VALUE, Deadline, capture_graph, compile_variant, config_options, copy_bandwidth_gbs, cuda_time_ms, device,
     error_text, kernel_profile, matmul_tflops, part_table, print_parts, print_profile, record, sync,
 )
 
@@ -85,7 +85,7 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
     """[{part, buckets, flops, bytes}] of one prefill of config ``name``: b prompts of t tokens."""
     from flashloop_compile.config import FlashLoopConfig
 
-    conf = FlashLoopConfig.from_dict(CONFIGS[name])
+    conf = FlashLoopConfig.from_dict(config_options(name, CONFIGS, cfg.num_loops))
     tsp, quant = conf.token_sparse_prefill, conf.kv_residual_quantization.enabled
     loops, layers = cfg.num_loops, cfg.num_hidden_layers
     rows = list(tsp.budgets(t)) if tsp.enabled else [t] * loops  # rows each loop computes, per prompt
@@ -147,7 +147,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="ouro-1.4b")
     ap.add_argument("--shapes", default="1x8192,1x32768,1x4096,4x4096")
-    ap.add_argument("--configs", default="dense,token_sparse,all_on")
+    ap.add_argument("--configs", default="dense,token_sparse,all_on",
+                    help=f"comma-separated, of {sorted(CONFIGS)} or quality-harness names (all-on@retention=1.0/0.1)")
     ap.add_argument("--outline", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
@@ -199,7 +200,7 @@ def main() -> None:
             if not deadline.allows(90):
                 record("prefill", {"kind": "skipped", "shape": shape, "config": name, "reason": "deadline"})
                 continue
-            options = {**CONFIGS[name], "compilation.outline_layers": args.outline}
+            options = {**config_options(name, CONFIGS, cfg.num_loops), "compilation.outline_layers": args.outline}
             try:
                 graph, graph_inputs, trace_s = trace(TRACES.get(name, "fresh"))
                 fn, pass_s, report = compile_variant(graph, graph_inputs, options)

@@ -33,6 +33,23 @@ def git_commit() -> str:
         return "unknown"
 
 
+def config_options(name: str, table: dict[str, dict[str, Any]], num_loops: int = 4) -> dict[str, Any]:
+    """The FlashLoop options of a ``--configs`` entry: one of the bench's own names (``table``), or
+    a name of the quality harness (``all-on@retention=1.0/0.1``: ``quality.evaluate.named_config``)
+    as its feature options, so that a point of the quality frontier is timed at the settings its
+    quality was measured at. Compilation options stay the bench's."""
+    if name in table:
+        return dict(table[name])
+    from flashloop_compile.quality.evaluate import named_config
+
+    try:
+        flat = named_config(name, num_loops).to_dict()
+    except ValueError as e:  # ConfigError included
+        raise SystemExit(f"--configs: {name!r} is neither one of {sorted(table)} nor a configuration name "
+                         f"of the quality harness ({e})") from None
+    return {k: v for k, v in flat.items() if not k.startswith("compilation.")}
+
+
 def environment() -> dict[str, Any]:
     import triton
 

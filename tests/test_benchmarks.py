@@ -320,6 +320,28 @@ def test_prefill_parts_count_each_configs_work():
     assert "attention, every loop" in pos
 
 
+def test_benches_take_the_quality_harness_config_names():
+    """A frontier point is timed at the settings its quality was measured at: ``--configs`` takes
+    the quality harness's names too; their feature options (never the bench's compilation ones)
+    feed the parts' work and floors, and an unknown name is an error that names the choices."""
+    model = OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0)
+    cfg = model.config
+    assert common.config_options("all_on", bench_prefill.CONFIGS) == bench_prefill.CONFIGS["all_on"]
+    opts = common.config_options("all-on@retention=1.0/0.1", bench_prefill.CONFIGS, cfg.num_loops)
+    assert opts["token_sparse_prefill.retention"] == [1.0, 1.0, 1.0, 0.1]
+    assert opts["kv_residual_quantization.enabled"] and opts["sparse_decode_attention.enabled"]
+    assert not any(k.startswith("compilation.") for k in opts)
+    b, t = 1, 100
+    parts = {p["part"]: p for p in bench_prefill.prefill_parts("all-on@retention=1.0/0.1", b, t, cfg, 1000, 10)}
+    assert parts["projections"]["flops"] == 2 * b * (1000 * (3 * t + 10) + 10 * t)
+    # decode: the key fraction sets the corrections' bytes
+    kf = {f: bench_decode.kv_read_bytes(f"sda@key_fraction={f}", 1, 1024, cfg, cfg.num_key_value_heads, cfg.head_dim,
+                                        cfg.num_hidden_layers, cfg.num_loops) for f in (0.05, 0.25)}
+    assert kf[0.05] < kf[0.25]
+    with pytest.raises(SystemExit, match="neither one of .*all_on"):
+        common.config_options("al-on", bench_prefill.CONFIGS)
+
+
 def test_part_table_floors_from_bytes_or_flops():
     parts = [{"part": "projections", "buckets": ("GEMM",), "bytes": None, "flops": 2e12},
              {"part": "write", "buckets": ("write",), "bytes": 3e9, "flops": None},
