@@ -181,7 +181,12 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         model.setup_caches(b, t + args.headroom)
-        ids = torch.randint(0, cfg.vocab_size, (b, t), device=device())
+        # the prompt from its own generator: with random weights the token-sparse loops keep rows
+        # that depend on the prompt, and their attention's time on where those rows lie (at c06f84e
+        # the rate measurements above drew from the global generator first, so the prompt changed
+        # and token-sparse attention took 51 ms against 121 ms at ff3eb82 for the same budgets)
+        gen = torch.Generator(device=device()).manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (b, t), device=device(), generator=gen)
         pos = torch.arange(t, device=device())[None].expand(b, -1).contiguous()
         traces: dict[str, tuple] = {}
 
