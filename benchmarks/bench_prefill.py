@@ -81,8 +81,12 @@ EXACT_DENSE = ("dense_causal", "dense_position", "dense_masked")
 # for active positions spread over the prompt (the selection decides; the bench does not read it).
 
 
-def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_params: int) -> list[dict]:
-    """[{part, buckets, flops, bytes}] of one prefill of config ``name``: b prompts of t tokens."""
+def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_params: int,
+                  kept_keys: list[float] | None = None) -> list[dict]:
+    """[{part, buckets, flops, bytes}] of one prefill of config ``name``: b prompts of t tokens.
+    ``kept_keys``: per loop, the causal keys the rows it kept attend to, summed over the batch
+    (:func:`kept_causal_keys`); without it a token-sparse loop's kept rows count (t + 1) / 2 keys
+    each."""
     from flashloop_compile.config import FlashLoopConfig
 
     conf = FlashLoopConfig.from_dict(config_options(name, CONFIGS, cfg.num_loops))
@@ -92,7 +96,9 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
     pair_flops = 4 * cfg.head_dim * cfg.num_attention_heads  # per (query, visible key), QK and PV
     causal = t * (t + 1) / 2
 
-    def attn_flops(n: int) -> float:  # n of the t rows active: every row at t, the mean (t + 1) / 2 below
+    def attn_flops(n: int, r: int) -> float:  # n of the t rows active at loop r
+        if kept_keys is not None:
+            return layers * pair_flops * kept_keys[r]
         return b * layers * pair_flops * (causal if n == t else n * (t + 1) / 2)
 
     parts = [{"part": "projections", "buckets": ("GEMM",), "bytes": None,
@@ -102,14 +108,14 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
     if TRACES.get(name, "fresh") == "fresh" and sparse_loops:  # fresh prompt: full loops on SDPA
         parts += [
             {"part": f"attention, loops 1-{len(dense_loops)} (causal SDPA)", "buckets": ("sdpa",), "bytes": None,
-             "flops": sum(attn_flops(rows[r]) for r in dense_loops)},
+             "flops": sum(attn_flops(rows[r], r) for r in dense_loops)},
             {"part": f"attention, loops {len(dense_loops) + 1}-{loops} (token-sparse)",
              "buckets": ("prefill_attn", "packed_attn"), "bytes": None,
-             "flops": sum(attn_flops(rows[r]) for r in sparse_loops)},
+             "flops": sum(attn_flops(rows[r], r) for r in sparse_loops)},
         ]
     else:
         parts.append({"part": "attention, every loop", "buckets": ("sdpa", "prefill_attn", "packed_attn"), "bytes": None,
-                      "flops": sum(attn_flops(n) for n in rows)})
+                      "flops": sum(attn_flops(n, r) for r, n in enumerate(rows))})
     if quant:
         values = 2 * b * cfg.num_key_value_heads * cfg.head_dim * layers  # K and V of one row, every layer
         parts.append({"part": "packed write, reads, scans", "buckets": ("write", "read_bulk", "read", "scan"),
@@ -117,6 +123,15 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
                       "flops": None})
     parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None, "flops": None})
     return parts
+
+
+def kept_causal_keys(depth_count: torch.Tensor, loops: int) -> list[float]:
+    """Per loop r, the causal keys of the rows it computed, summed over the prompts: the packed
+    cache's depth_count [B, T] (rows written at depths 0..depth_count - 1, token-sparse prefill's
+    nested sets) counts row p at loop r where depth_count[p] > r, and row p attends to p + 1 keys."""
+    dc = depth_count.long()
+    keys = torch.arange(1, dc.shape[1] + 1, device=dc.device, dtype=torch.float64)
+    return [float(((dc > r).double() * keys).sum()) for r in range(loops)]
 
 
 def useful_flops(parts: list[dict]) -> float:
@@ -253,7 +268,11 @@ def main() -> None:
                 continue
             ms = timing["median_ms"]
             prof = kernel_profile(run, run, args.profile, ms) if args.profile else None
-            parts = prefill_parts(name, b, t, cfg, linear_params, head_params)
+            # the rows the token-sparse loops kept, where the packed cache records them (depth_count
+            # of the last prefill): with random weights they are the prompt's, and their keys set
+            # the attention's work; a configuration without the cache counts (t + 1) / 2 a row
+            kept = kept_causal_keys(packed.depth_count[:b, :t], cfg.num_loops) if packed is not None else None
+            parts = prefill_parts(name, b, t, cfg, linear_params, head_params, kept)
             work = useful_flops(parts)
             table = None
             if prof and "error" not in prof:
@@ -269,6 +288,9 @@ def main() -> None:
                 "speedup_vs_dense": (dense_ms / ms) if dense_ms else None,
                 "speedup_vs_dense_causal": (causal_ms / ms) if causal_ms else None, "peak_memory_gb": peak,
                 "useful_tflop": work / 1e12, "tflops": work / (ms * 1e-3) / 1e12,
+                "attention_keys": "kept rows (depth_count)" if kept is not None else "(t + 1) / 2 per sparse row",
+                **({"mean_keys_per_kept_row": [k / max(1.0, float((packed.depth_count[:b, :t] > r).sum()))
+                                               for r, k in enumerate(kept)]} if kept is not None else {}),
                 "trace": TRACES.get(name, "fresh"), "trace_s": trace_s, "compile_s": compile_s, "report": str(report), **check,
                 **({"profile": prof} if prof else {}), **({"parts": table} if table else {}),
             })

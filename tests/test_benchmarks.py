@@ -320,6 +320,24 @@ def test_prefill_parts_count_each_configs_work():
     assert "attention, every loop" in pos
 
 
+def test_prefill_parts_count_the_kept_rows_keys_where_the_cache_records_them():
+    """The token-sparse loops' attention work from the rows they kept (the packed cache's
+    depth_count): row p attends to p + 1 keys; rows kept early in the prompt do less work than
+    the (t + 1) / 2 a row the bench otherwise assumes."""
+    model = OuroForCausalLM.from_preset("tiny", dtype=torch.float32, seed=0)
+    cfg = model.config
+    t = 8
+    dc = torch.tensor([[4, 4, 3, 2, 2, 2, 2, 2]], dtype=torch.uint8)  # loop 3 keeps rows 0-2, loop 4 rows 0-1
+    kept = bench_prefill.kept_causal_keys(dc, cfg.num_loops)
+    assert kept == [36.0, 36.0, 6.0, 3.0]  # 1 + ... + 8 at the dense loops; 1 + 2 + 3; 1 + 2
+    pair = 4 * cfg.head_dim * cfg.num_attention_heads
+    parts = {p["part"]: p for p in bench_prefill.prefill_parts("all_on", 1, t, cfg, 1000, 10, kept)}
+    sparse = next(p for n, p in parts.items() if n.endswith("(token-sparse)"))
+    assert sparse["flops"] == cfg.num_hidden_layers * pair * (6.0 + 3.0)
+    assumed = {p["part"]: p for p in bench_prefill.prefill_parts("all_on", 1, t, cfg, 1000, 10)}
+    assert assumed["attention, loops 1-2 (causal SDPA)"]["flops"] == parts["attention, loops 1-2 (causal SDPA)"]["flops"]
+
+
 def test_benches_take_the_quality_harness_config_names():
     """A frontier point is timed at the settings its quality was measured at: ``--configs`` takes
     the quality harness's names too; their feature options (never the bench's compilation ones)
