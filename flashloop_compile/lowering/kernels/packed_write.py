@@ -335,14 +335,6 @@ def _write_tail_kernel(
 # 2026-12-06, H100, benchmarks/results/2026-12-06/packed-write-ab/wsite.py).
 ACTIVE_ROWS_TILE = {2: 16, 3: 8}
 
-# The depth-0 (base) flush of a prompt capped at 128 registers (a decode token's is not timed with it): 4 programs per SM against 3 at its own 168,
-# at the cost of 22 spilled registers (scripts/kernel_report.py --only write --depth 0). One 32K
-# site on an H100 (2026-12-07, c06f84e, bench_packed_prefill.py --write-against, interleaved,
-# median of 10, two processes): 0.365 / 0.357 ms against 0.396 / 0.390 uncapped. The residual
-# flush at depth 1 (248 registers) loses under a cap: 1.228 ms at 128, 1.128 at 168 against 1.040
-# (results/2026-12-07/prefill-1x32k-recommended/write-caps/).
-BASE_FLUSH_MAXNREG = 128
-
 
 def active_rows_tile(depth: int, group: int) -> int:
     """The flush's active-row tile at ``depth`` (0: the whole group)."""
@@ -400,8 +392,7 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
         wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, RT=0, **meta, num_warps=2)
-    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=(1 if rt else 4),
-                                               **({"maxnreg": BASE_FLUSH_MAXNREG} if base and not one_token else {}))
+    wrap(_write_flush_kernel)[(Bc, H, chunks)](*args, COUNT=False, RT=rt, **meta, num_warps=(1 if rt else 4))
     bt = 32
     wrap(_write_tail_kernel)[(Bc, H, max(1, triton.cdiv(Tn, bt)))](
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.depth_count,
