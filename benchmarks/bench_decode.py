@@ -29,8 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    OUT, PACKED_BYTES_PER_VALUE, Deadline, GpuSampler, bucket, capture_graph, compile_variant, copy_bandwidth_gbs,
-    config_options, cuda_time_ms, device, error_text, graph_replay_ms, kernel_profile, part_table, print_parts, print_profile, record, sync,
+    OUT, PACKED_BYTES_PER_VALUE, Deadline, GpuSampler, bucket, capture_graph, compile_variant, config_options,
+    copy_bandwidth_gbs, cuda_time_ms, device, error_text, graph_replay_ms, kernel_profile, part_table, print_parts,
+    print_profile, record, sync,
 )
 
 CONFIGS = {
