@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    PACKED_BYTES_PER_VALUE, Deadline, capture_graph, compile_variant, config_options, copy_bandwidth_gbs, cuda_time_ms, device,
-    error_text, kernel_profile, matmul_tflops, part_table, print_parts, print_profile, record, sync,
+    PACKED_BYTES_PER_VALUE, Deadline, capture_graph, compile_variant, config_options, copy_bandwidth_gbs, cuda_time_ms,
+    device, error_text, kernel_profile, matmul_tflops, part_table, print_parts, print_profile, record, sync,
 )
 
 CONFIGS = {
@@ -77,8 +77,8 @@ EXACT_DENSE = ("dense_causal", "dense_position", "dense_masked")
 # row's K/V read once in BF16 and its codes and parameters written, the predecessor's codes and
 # parameters read at depth d > 0: (2 + 0.5625 (1 + d)) bytes per value, d = the loop's depth).
 # A token-sparse loop computes the nested top-k of the prompt's rows (FlashLoopConfig's budgets);
-# its attention counts each active query's causal keys as (T + 1) / 2 on average, which holds
-# for active positions spread over the prompt (the selection decides; the bench does not read it).
+# its attention counts the causal keys of the rows it kept where the packed cache records them
+# (depth_count), and (T + 1) / 2 a row otherwise, which holds for kept rows spread over the prompt.
 
 
 def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_params: int,
