@@ -271,7 +271,8 @@ def main() -> None:
             # the rows the token-sparse loops kept, where the packed cache records them (depth_count
             # of the last prefill): with random weights they are the prompt's, and their keys set
             # the attention's work; a configuration without the cache counts (t + 1) / 2 a row
-            kept = kept_causal_keys(packed.depth_count[:b, :t], cfg.num_loops) if packed is not None else None
+            dc = packed.depth_count[:b, :t] if packed is not None else None
+            kept = kept_causal_keys(dc, cfg.num_loops) if dc is not None else None
             parts = prefill_parts(name, b, t, cfg, linear_params, head_params, kept)
             work = useful_flops(parts)
             table = None
@@ -289,8 +290,8 @@ def main() -> None:
                 "speedup_vs_dense_causal": (causal_ms / ms) if causal_ms else None, "peak_memory_gb": peak,
                 "useful_tflop": work / 1e12, "tflops": work / (ms * 1e-3) / 1e12,
                 "attention_keys": "kept rows (depth_count)" if kept is not None else "(t + 1) / 2 per sparse row",
-                **({"mean_keys_per_kept_row": [k / max(1.0, float((packed.depth_count[:b, :t] > r).sum()))
-                                               for r, k in enumerate(kept)]} if kept is not None else {}),
+                **({"mean_keys_per_kept_row": [k / max(1.0, float((dc > r).sum())) for r, k in enumerate(kept)]}
+                   if kept is not None else {}),
                 "trace": TRACES.get(name, "fresh"), "trace_s": trace_s, "compile_s": compile_s, "report": str(report), **check,
                 **({"profile": prof} if prof else {}), **({"parts": table} if table else {}),
             })
