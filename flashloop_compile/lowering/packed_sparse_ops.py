@@ -295,10 +295,10 @@ def correction_read_attend(q, keys, count, mass, o_ref, c_ref, inflight, depth: 
     copy of the selected keys. Runs the Triton kernels (the interpreter's on CPU tensors: tests);
     ``block_p``: keys per program (tests)."""
     from flashloop_compile.lowering.kernels.correction import correction_combine_triton
-    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read_attend
 
-    part_m, part_l, part_acc, nt = launch_packed_read_attend(cache, q, keys, count, depth, scale, inflight=inflight,
-                                                                wrap=wrap_triton, block_p=block_p)
+    part_m, part_l, part_acc = torch.ops.flashloop.packed_read_attend(q, keys, count, *inflight, depth, *cache,
+                                                                      float(scale), block_p or 0)
+    nt = part_m.shape[1]
     out = torch.empty_like(q)
     # 8 warps past 32 partials per row (103 at 32K): the [partials, D] tile stays in registers
     correction_combine_triton(part_m, part_l, part_acc, mass, o_ref, c_ref, out, wrap=True,
@@ -336,6 +336,43 @@ def _packed_correction_attention(
     launch_packed_read(cache, sel, depth, k_sel, v_sel, inflight=inflight, wrap=wrap_triton)
     return correction_attention_triton(q, k_sel, v_sel, local_keys(keys, hkv), count, mass, o_ref, c_ref, scale,
                                           wrap=True)
+
+
+@torch.library.custom_op(f"{LIB}::packed_read_attend", mutates_args=())
+def _packed_read_attend(
+    q: T_, keys: T_, count: T_, inflight_positions: T_, k_inflight: T_, v_inflight: T_, depth: int,
+    k_base: T_, k_base_min: T_, k_base_scale: T_, v_base: T_, v_base_min: T_, v_base_scale: T_,
+    k_res: T_, k_res_min: T_, k_res_scale: T_, v_res: T_, v_res_min: T_, v_res_scale: T_,
+    k_tail: T_, v_tail: T_, flushed: T_, row_count: T_,
+    rows: T_, depth_count: T_, res_layout: T_, overflow: T_,
+    scale: float, block_p: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The read-and-attend correction's partials (part_m, part_l [B * H, NT], part_acc [B * H, NT, D]:
+    ``packed_read.launch_packed_read_attend``; block_p 0: the depth's default tile), launched by
+    correction_read_attend. An opaque op, not a ``wrap_triton`` launch, because Inductor compiles a
+    user kernel with num_warps and num_stages only and drops ``maxnreg``
+    (``PACKED_READ["attend_maxnreg"]``; DESIGN.md, "A register cap reaches a compiled graph through an
+    opaque op"); launched here directly, the cap holds inside the compiled step. Registered on
+    import, as mma_linear_scores."""
+    from flashloop_compile.lowering.kernels.packed_read import launch_packed_read_attend
+
+    cache = (k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, k_res_min, k_res_scale,
+             v_res, v_res_min, v_res_scale, k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow)
+    part_m, part_l, part_acc, _ = launch_packed_read_attend(
+        cache, q, keys, count, depth, scale, inflight=(inflight_positions, k_inflight, v_inflight),
+        block_p=block_p or None)
+    return part_m, part_l, part_acc
+
+
+@_packed_read_attend.register_fake
+def _(q, keys, count, inflight_positions, k_inflight, v_inflight, depth, k_base, *rest):
+    from flashloop_compile.lowering.kernels.packed_read import read_attend_tiles
+
+    block_p = rest[-1]
+    _, nt = read_attend_tiles(q, keys, depth, block_p or None)
+    rows_ = q.shape[0] * q.shape[1]
+    part_m = q.new_empty(rows_, nt, dtype=torch.float32)
+    return part_m, torch.empty_like(part_m), q.new_empty(rows_, nt, q.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{LIB}::mma_linear_scores", mutates_args=("probs", "part_m", "part_l"))

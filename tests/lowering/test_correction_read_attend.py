@@ -126,3 +126,17 @@ def test_an_in_flight_token_inside_the_flushed_bulk_is_read_from_flight():
     want = PS.packed_correction_attention_aten(*args, ip, kd, vd, 2, *tensors, 0.125)
     got = PS.correction_read_attend(*args, (ip, kd, vd), 2, tensors, 0.125, block_p=TILE)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_p", [TILE, 0], ids=["tile16", "default"])
+def test_the_read_attend_op_states_its_partials_for_inductor(block_p):
+    # flashloop::packed_read_attend is opaque to Inductor so that its register cap (launched
+    # directly) holds in a compiled step: its fake states the partials' shapes (NT tiles per row),
+    # and opcheck runs the schema, fake and autograd-registration checks on the interpreter
+    tensors, (q, keys, count, *_rest), inflight = _case(torch.float32, 3)
+    args = (q, keys, count, *inflight, 3, *tensors, 0.125, block_p)
+    part_m, part_l, part_acc = torch.ops.flashloop.packed_read_attend(*args)
+    nt = -(-keys.shape[-1] // (block_p or 128))  # the interpreter's default: one 128-key tile
+    assert part_m.shape == part_l.shape == (B * H, nt) and part_acc.shape == (B * H, nt, D)
+    torch.library.opcheck(torch.ops.flashloop.packed_read_attend.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
