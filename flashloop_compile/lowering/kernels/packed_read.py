@@ -342,10 +342,10 @@ def _read_attend_kernel(
 # read-and-attend correction's register cap by depth (0: the compiler's choice). The kernel waits on
 # dependent loads, so at depth 3 programs in flight beat spills: 96 registers, 5 programs per SM
 # against 3 at 138, 53.2 against 61.7 us per B1 x 32K site and 164.4 against 195.2 at B4 (H100,
-# b84d7b1, 4b8190e), neutral in the 1x32K all-on step (13.06 ms either way): inside a compiled graph
-# Inductor drops maxnreg from a user kernel's launch (DESIGN.md, "A register cap does not reach a
-# compiled graph"), so the cap holds in direct launches only; every cap at depth 2 and on the
-# V-only kernel loses (results/2026-12-06/register-caps).
+# b84d7b1, 4b8190e); in the compiled 1x32K all-on step the corrections 2.26 -> 2.09 ms, because
+# the kernel is launched by the opaque op flashloop::packed_read_attend, not through wrap_triton,
+# whose Inductor compile drops maxnreg (DESIGN.md, "A register cap reaches a compiled graph through
+# an opaque op"); every cap at depth 2 and on the V-only kernel loses (results/2026-12-06/register-caps).
 PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_block_p": (32, 32, 32, 16),
                "window_block_p": 8, "attend_maxnreg": (0, 0, 0, 96)}
 
