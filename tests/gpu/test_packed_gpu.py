@@ -347,8 +347,21 @@ def test_the_read_attend_correction_matches_read_then_correct(depth, order):
                                                       c_ref, D**-0.5)
     got = {"read attend": torch.ops.flashloop.packed_correction_attention(*cargs)}
     torch._dynamo.reset()
+    from flashloop_compile.lowering.kernels import packed_read as PR
+
+    kernel_cache = next(iter(PR._read_attend_kernel.device_caches.values()))[0]
+    kernel_cache.clear()  # what follows compiles through the compiled graph only
     got["compiled read attend"] = torch.compile(lambda *a: torch.ops.flashloop.packed_correction_attention(*a),
                                                 backend="flashloop", fullgraph=True)(*cargs)
+    # the compiled graph launches the kernel itself (flashloop::packed_read_attend, an opaque op),
+    # so the depth's register cap holds there: a wrap_triton launch would leave this cache empty
+    # and Inductor's own compile uncapped
+    cap = PR.PACKED_READ["attend_maxnreg"][min(depth, len(PR.PACKED_READ["attend_maxnreg"]) - 1)]
+    compiled = list(kernel_cache.values())
+    assert compiled, "the compiled correction did not launch _read_attend_kernel directly"
+    for k in compiled:
+        k._init_handles()
+        assert not cap or k.n_regs <= cap, (k.n_regs, cap)
     for name, x in got.items():
         for other in (ref, two_op):
             torch.testing.assert_close(x.float(), other.float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
