@@ -356,7 +356,7 @@ def test_the_read_attend_correction_matches_read_then_correct(depth, order):
     # the compiled graph launches the kernel itself (flashloop::packed_read_attend, an opaque op),
     # so the depth's register cap holds there: a wrap_triton launch would leave this cache empty
     # and Inductor's own compile uncapped
-    cap = PR.PACKED_READ["attend_maxnreg"][min(depth, len(PR.PACKED_READ["attend_maxnreg"]) - 1)]
+    cap = PR._by_depth("attend_maxnreg", depth)
     compiled = list(kernel_cache.values())
     assert compiled, "the compiled correction did not launch _read_attend_kernel directly"
     for k in compiled:
