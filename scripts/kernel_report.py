@@ -8,7 +8,7 @@ LDG.E.128), or that reduces across warps through shared memory every key tile (B
 here before it is timed.
 
     python scripts/kernel_report.py                       # packed decode (fast, generic), prefill, sparse decode, read, write
-    python scripts/kernel_report.py --only attend --depth 3  # the read-and-attend correction alone
+    python scripts/kernel_report.py --only attend --depth 3  # the packed corrections alone (read and attend, V only)
     python scripts/kernel_report.py --only read --depth 3  # loop depth of the decode and read launches (a bulk-kernel constexpr)
     python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
     python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS and loops (.loops.txt)
@@ -236,6 +236,9 @@ def launches(only: str | None, tuning: dict, depth: int = 1) -> list[tuple]:
         count = torch.full((4, 16, 1), 3277, dtype=torch.int32)
         run(f"read attend B4 32K (correction, {PR.PACKED_READ['attend_block_p'][min(depth, 3)]} keys)",
             lambda: PR.launch_packed_read_attend(t, q, keys, count, depth, 0.088, inflight=(pos, kv, kv), wrap=wrap))
+        probs = torch.zeros(4, 16, 1, 3277)
+        run("read values B4 32K (reuse_selected_probabilities' V-only correction)",
+            lambda: PR.launch_packed_read_values(t, keys, count, probs, depth, inflight=(pos, kv), wrap=wrap))
     if only in (None, "write"):
         t, q, kv, pos, out = _decode_setup(1, 8192 + 256, T=8192)
         pos = torch.arange(8192)[None]

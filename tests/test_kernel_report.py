@@ -99,11 +99,14 @@ def test_the_read_attend_correction_keeps_five_programs_per_sm_at_depth_three():
     # programs per SM) and lost per site. attend_maxnreg caps depth 3 at 96 registers: five programs
     # per SM instead of three (138 uncapped), bought with a few spills, 14% faster per B1 x 32K site
     # (benchmarks/results/2026-12-06/register-caps); the tile's codes stay in 128-bit loads
-    row, = _report("--only", "attend", "--depth", "3")
+    # (uncapped, the V-only correction of reuse_selected_probabilities: 72 registers, no spills)
+    row, values = _report("--only", "attend", "--depth", "3")
     assert row["kernel"] == "read attend B4 32K (correction, 16 keys) [_read_attend_kernel]", row
     assert row["grid"] == [4, 16, 205], row  # 3277 selected keys in tiles of 16
     assert row["regs"] <= 96 and row["warps_per_sm"] >= 20, row
     assert row["loads"].get("LDG.E.128", 0) > 0, row["loads"]
+    assert values["kernel"].endswith("[_read_values_kernel]") and values["grid"] == [4, 16, 205], values
+    assert values["spill_ops"] == 0, values
 
 
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():

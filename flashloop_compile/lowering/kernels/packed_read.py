@@ -215,6 +215,26 @@ def _read_bulk_kernel(
 
 
 @triton.jit
+def _selected_in_bulk(p, valid, flushed_b, in_positions_b, sip_t, Ti, S, DEPTH: tl.constexpr, RP: tl.constexpr):
+    """Whether a correction's tile of selected keys (positions p [BP], valid: inside the row's
+    selection) lies in the flushed bulk: every valid key below every depth's flushed boundary
+    (0..DEPTH; flushed_b: the row's R entries) and below the row's first in-flight position (the
+    smallest of its Ti positions in_positions_b, -1 = padding; common.first_inflight, taken here
+    rather than by a launch of its own). _bulk_read_tile's rule: such a tile is read by _bulk_k /
+    _bulk_v, with no per-token state."""
+    fl_min = _flushed_min(flushed_b, DEPTH, RP)
+    lim = tl.zeros([], tl.int64) + S
+    u = 0
+    while u < Ti:
+        ipu = tl.load(in_positions_b + u * sip_t)
+        lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
+        u += 1
+    p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
+    p_hi = tl.max(tl.where(valid, p, -1), 0)
+    return (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim)
+
+
+@triton.jit
 def _attend_tile(qe, qo, ke, ko, ve, vo, valid, scale):
     """One query row against a tile of keys (even / odd halves [BP, D/2], valid [BP]): the tile's
     softmax partial -- the score maximum (-inf with no valid key), the sum of exp(score - max)
@@ -270,16 +290,7 @@ def _read_attend_kernel(
     t = z * BP + tl.arange(0, BP)
     valid = t < cnt
     p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
-    fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
-    lim = tl.zeros([], tl.int64) + S  # the row's first in-flight position (common.first_inflight)
-    u = 0
-    while u < Ti:
-        ipu = tl.load(in_positions + b * sip_b + u * sip_t)
-        lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
-        u += 1
-    p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
-    p_hi = tl.max(tl.where(valid, p, -1), 0)
-    if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim):  # the flushed bulk (_bulk_read_tile)
+    if _selected_in_bulk(p, valid, flushed + b * R, in_positions + b * sip_b, sip_t, Ti, S, DEPTH, RP):
         pc = tl.where(valid, p, 0).to(tl.int32)
         kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
         kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
@@ -522,16 +533,8 @@ def _read_values_kernel(
         t = z * BP + tl.arange(0, BP)
         valid = t < cnt
         p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
-        fl_min = _flushed_min(flushed + b * R, DEPTH, RP)
-        lim = tl.zeros([], tl.int64) + S  # the row's first in-flight position (common.first_inflight)
-        u = 0
-        while u < Ti:
-            ipu = tl.load(in_positions + b * sip_b + u * sip_t)
-            lim = tl.where(ipu >= 0, tl.minimum(lim, ipu), lim)
-            u += 1
-        p_lo = tl.min(tl.where(valid, p, 2147483647), 0)
-        p_hi = tl.max(tl.where(valid, p, -1), 0)
-        if (p_lo >= 0) & (p_hi < fl_min) & (p_hi < lim):  # the flushed bulk: the V planes only
+        if _selected_in_bulk(p, valid, flushed + b * R, in_positions + b * sip_b, sip_t, Ti, S, DEPTH, RP):
+            # the flushed bulk: the V planes only
             pc = tl.where(valid, p, 0).to(tl.int32)
             kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
                 k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
