@@ -366,10 +366,10 @@ def _packed_read_attend(
 
 @_packed_read_attend.register_fake
 def _(q, keys, count, inflight_positions, k_inflight, v_inflight, depth, k_base, *rest):
-    from flashloop_compile.lowering.kernels.packed_read import read_attend_tiles
+    from flashloop_compile.lowering.kernels.packed_read import correction_tiles
 
     block_p = rest[-1]
-    _, nt = read_attend_tiles(q, keys, depth, block_p or None)
+    _, nt = correction_tiles(keys, depth, block_p or None)
     rows_ = q.shape[0] * q.shape[1]
     part_m = q.new_empty(rows_, nt, dtype=torch.float32)
     return part_m, torch.empty_like(part_m), q.new_empty(rows_, nt, q.shape[-1], dtype=torch.float32)

@@ -25,7 +25,7 @@ from flashloop_compile.lowering.kernels.packed_codec import (
 )
 from flashloop_compile.lowering.packed_layout import PackedTensors
 
-__all__ = ["launch_packed_read", "launch_packed_read_attend", "read_attend_tiles", "launch_packed_read_values", "read_attend_fits", "PACKED_READ"]
+__all__ = ["launch_packed_read", "launch_packed_read_attend", "correction_tiles", "launch_packed_read_values", "read_attend_fits", "PACKED_READ"]
 
 
 @triton.jit
@@ -444,14 +444,14 @@ def read_attend_fits(q, tensors) -> bool:
     return q.shape[1] == H and q.shape[2] == 1 and q.shape[3] == D and not (D & (D - 1) or G % 2)
 
 
-def read_attend_tiles(q, keys, depth: int, block_p: int | None = None) -> tuple[int, int]:
-    """(keys per program, programs per row) of launch_packed_read_attend: ``block_p`` or
-    PACKED_READ["attend_block_p"] at ``depth`` (128 on the interpreter), over the P = keys.shape[-1]
-    selected slots."""
+def correction_tiles(keys, depth: int, block_p: int | None = None) -> tuple[int, int]:
+    """(keys per program, programs per row) of the packed corrections (launch_packed_read_attend,
+    launch_packed_read_values): ``block_p`` or PACKED_READ["attend_block_p"] at ``depth`` (128 on
+    the interpreter), over the P = keys.shape[-1] selected slots."""
     bp = block_p or _by_depth("attend_block_p", depth)
     if bp < 1 or bp & (bp - 1):
-        raise ValueError(f"the read-and-attend tile must be a power of two, got {bp} keys")
-    if common.cpu_semantics(q.device) and not block_p:
+        raise ValueError(f"a packed correction's tile must be a power of two, got {bp} keys")
+    if common.cpu_semantics(keys.device) and not block_p:
         bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
     return bp, max(1, triton.cdiv(keys.shape[-1], bp))
 
@@ -471,7 +471,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
                          f"power-of-two head_dim with an even group; got q {tuple(q.shape)}, head_dim {D}, group {G}")
     Bc, P = q.shape[0], keys.shape[-1]
     np_ = next_pow2(D // 2)
-    bp, nt = read_attend_tiles(q, keys, depth, block_p)
+    bp, nt = correction_tiles(keys, depth, block_p)
     split = max(1, min(bp, int(PACKED_READ["generic_split"])))
     dev = q.device
     part_m = torch.empty(Bc * H, nt, dtype=torch.float32, device=dev)
@@ -581,13 +581,8 @@ def launch_packed_read_values(tensors, keys, count, probs, depth: int, *, inflig
         raise ValueError(f"the V-only correction needs keys [B, {H}, 1, P] (one query row per kv head) and a "
                          f"power-of-two head_dim with an even group; got keys {tuple(keys.shape)}, head_dim {D}, group {G}")
     Bc, P = keys.shape[0], keys.shape[-1]
-    bp = block_p or _by_depth("attend_block_p", depth)
-    if bp < 1 or bp & (bp - 1):
-        raise ValueError(f"the V-only correction's tile must be a power of two, got {bp} keys")
-    if common.cpu_semantics(keys.device) and not block_p:
-        bp = 128  # fewer, larger programs: the interpreter's cost is per operation, not per element
+    bp, nt = correction_tiles(keys, depth, block_p)
     split = max(1, min(bp, int(PACKED_READ["generic_split"])))
-    nt = max(1, triton.cdiv(P, bp))
     part_acc = torch.empty(Bc * H, nt, D, dtype=torch.float32, device=keys.device)
     ip, v_in = inflight
     wrap(_read_values_kernel)[(Bc, H, nt)](
