@@ -11,6 +11,9 @@ flashloop backend. Timed with CUDA events (warm-up, median of repeats); peak mem
 Each row records the FLOPs of useful work its configuration must do (``prefill_parts``) and the
 TFLOP/s reached; with ``--profile`` also every part of the prefill against its floor (FLOPs at the
 matrix-multiply rate, bytes at the copy bandwidth, both measured in the run) and the share reached.
+Token-sparse prefill's row selection (``flashloop::select_active``: ATen sorts and scatters) is a
+part of its own, ``active-row selection``: the profile counts what runs inside the op there
+(``common.ATTRIBUTED_OPS``), not in the glue.
 
 The prompt is fresh (positions 0..T-1): the model is traced without ``input_pos``, as the engine
 calls a prompt's first chunk, so the backend's default (``compilation.position_attention``) runs
@@ -121,6 +124,8 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
         parts.append({"part": "packed write, reads, scans", "buckets": ("write", "read_bulk", "read", "scan"),
                       "bytes": sum(rows[d] * values * (2 + PACKED_BYTES_PER_VALUE * (1 + d)) for d in range(loops)),
                       "flops": None})
+    if tsp.enabled:  # the nested top-k of loops 3..R (select_active: sorts and scatters, its own line)
+        parts.append({"part": "active-row selection", "buckets": ("select_rows",), "bytes": None, "flops": None})
     parts.append({"part": "glue (Inductor, other)", "buckets": ("inductor", "other"), "bytes": None, "flops": None})
     return parts
 

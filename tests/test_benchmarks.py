@@ -143,6 +143,36 @@ def test_decode_profile_buckets_kernel_names():
     assert {n: bench_decode.bucket(n) for n in names} == names
 
 
+def test_profile_moves_what_select_active_runs_under_its_own_bucket():
+    """Token-sparse prefill's select_active is ATen sorts and scatters, which kernel names cannot tell
+    apart from other ATen work: the profile moves what runs inside the op (its child ops' self time
+    here, its kernels on CUDA) under the op's name, bucket select_rows, and keeps the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from flashloop_compile.lowering.selection_ops import select_active
+
+    g = torch.Generator().manual_seed(0)
+    h1, h2 = torch.randn(1, 64, 16, generator=g), torch.randn(1, 64, 16, generator=g)
+    pos = torch.arange(64)[None]
+    lens, last = torch.tensor([64]), torch.tensor([-2])
+    other = torch.randn(64, 64, generator=g)
+
+    def step():
+        torch.sort(other, dim=-1)  # the same ATen op outside select_active stays where it is
+        select_active(h1, h2, None, pos, lens, last, None, 0.25, False, 16)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+    raw = {e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0}
+    moved = common._attribute_ops(prof.events(), raw, cuda=False)
+    assert sum(us for us, _ in moved.values()) == pytest.approx(sum(us for us, _ in raw.values()))
+    assert moved["flashloop::select_active"][0] > raw.get("flashloop::select_active", (0.0, 0))[0]
+    assert moved["aten::sort"][1] == 2 < raw["aten::sort"][1]  # the two calls outside the op remain
+    prof_row = common.kernel_profile(step, step, 2, 1.0)
+    assert prof_row["buckets"]["select_rows"]["ms"] > 0
+
+
 def test_decode_bench_on_cpu_records_a_profile_of_the_step(tmp_path):
     args = ["--preset", "tiny", "--dtype", "float32", "--shapes", "1x64", "--configs", "sparse+quant",
             "--no-dense-whole", "--profile", "2"]
@@ -302,7 +332,7 @@ def test_prefill_parts_count_each_configs_work():
     dense = {p["part"]: p for p in bench_prefill.prefill_parts("dense", b, t, cfg, lin, head)}
     assert dense["projections"]["flops"] == 2 * b * (lin * t * loops + head * t)
     assert dense["attention, every loop"]["flops"] == b * layers * loops * pair * t * (t + 1) / 2
-    assert "packed write, reads, scans" not in dense
+    assert "packed write, reads, scans" not in dense and "active-row selection" not in dense
     budgets = FlashLoopConfig.all_on().token_sparse_prefill.budgets(t)  # [100, 100, 25, 10]
     for name in ("token_sparse", "all_on"):
         parts = {p["part"]: p for p in bench_prefill.prefill_parts(name, b, t, cfg, lin, head)}
@@ -312,6 +342,7 @@ def test_prefill_parts_count_each_configs_work():
         sparse = parts[f"attention, loops 3-{loops} (token-sparse)"]
         assert sparse["flops"] == b * layers * pair * sum(budgets[2:]) * (t + 1) / 2
         assert bench_prefill.useful_flops(list(parts.values())) < bench_prefill.useful_flops(list(dense.values()))
+        assert parts["active-row selection"]["buckets"] == ("select_rows",)
     write = {p["part"]: p for p in bench_prefill.prefill_parts("all_on", b, t, cfg, lin, head)}["packed write, reads, scans"]
     row = 2 * b * cfg.num_key_value_heads * cfg.head_dim * layers
     assert write["bytes"] == sum(n * row * (2 + 0.5625 * (1 + d)) for d, n in enumerate(budgets))
