@@ -173,6 +173,33 @@ def test_profile_moves_what_select_active_runs_under_its_own_bucket():
     assert prof_row["buckets"]["select_rows"]["ms"] > 0
 
 
+def test_profile_moves_the_kernels_of_select_active_on_cuda():
+    """The CUDA path of the same move, on events shaped as torch.profiler's: each CPU op carries the
+    kernels it launched (FunctionEvent.kernels), an op nested in another call of itself counts once,
+    and a kernel of the same name outside the op stays."""
+    from collections import namedtuple
+
+    from torch.autograd import DeviceType
+
+    Kernel = namedtuple("Kernel", ["name", "device", "duration"])
+
+    class Ev:
+        def __init__(self, name, kernels=(), children=()):
+            self.name = self.key = name
+            self.device_type, self.self_cpu_time_total = DeviceType.CPU, 0.0
+            self.kernels = [Kernel(n, 0, us) for n, us in kernels]
+            self.cpu_children, self.cpu_parent = list(children), None
+            for c in self.cpu_children:
+                c.cpu_parent = self
+
+    inner = Ev("flashloop::select_active", [("scatter_kernel", 2.0)])
+    outer = Ev("flashloop::select_active", children=[Ev("aten::sort", [("sort_kernel", 5.0)]), inner])
+    events = [outer, *outer.cpu_children, inner, Ev("aten::sort", [("sort_kernel", 3.0)]), Ev("aten::mm", [("gemm", 10.0)])]
+    times = {"sort_kernel": (8.0, 2), "scatter_kernel": (2.0, 1), "gemm": (10.0, 1)}
+    assert common._attribute_ops(events, times, cuda=True) == {
+        "sort_kernel": (3.0, 1), "gemm": (10.0, 1), "flashloop::select_active": (7.0, 2)}
+
+
 def test_decode_bench_on_cpu_records_a_profile_of_the_step(tmp_path):
     args = ["--preset", "tiny", "--dtype", "float32", "--shapes", "1x64", "--configs", "sparse+quant",
             "--no-dense-whole", "--profile", "2"]
