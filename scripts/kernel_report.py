@@ -263,7 +263,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["decode", "prefill", "sparse", "read", "attend", "write"])
     ap.add_argument("--tuning", default="{}", help="JSON launch overrides for the attention launches")
     ap.add_argument("--depth", type=int, default=1, help="loop depth of the decode, read and prompt-write launches (0..R-1; a constexpr of the bulk and write kernels)")
-    ap.add_argument("--dump", type=Path, help="write each kernel's SASS here")
+    ap.add_argument("--dump", type=Path, help="write each kernel's SASS and TTGIR here")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel instead of the table")
     args = ap.parse_args()
     driver.set_active(_AheadOfTimeDriver())
@@ -271,6 +271,8 @@ def main() -> None:
     for label, grid, kwargs, compiled in launches(args.only, json.loads(args.tuning), args.depth):
         name = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
         stats = _sass_stats(compiled.asm["cubin"], args.dump, name)
+        if args.dump is not None:  # Triton's GPU IR: the layout conversions behind SHFL/BAR counts
+            (args.dump / f"{name}.ttgir").write_text(compiled.asm["ttgir"])
         warps = compiled.metadata.num_warps
         rows.append({"kernel": label, "grid": list(grid), "num_warps": warps, "shared": compiled.metadata.shared,
                      **stats, "warps_per_sm": resident_warps(stats["regs"], warps, compiled.metadata.shared)})
