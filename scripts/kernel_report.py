@@ -271,8 +271,12 @@ def main() -> None:
     for label, grid, kwargs, compiled in launches(args.only, json.loads(args.tuning), args.depth):
         name = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
         stats = _sass_stats(compiled.asm["cubin"], args.dump, name)
+        ttgir = compiled.asm["ttgir"]
         if args.dump is not None:  # Triton's GPU IR: the layout conversions behind SHFL/BAR counts
-            (args.dump / f"{name}.ttgir").write_text(compiled.asm["ttgir"])
+            (args.dump / f"{name}.ttgir").write_text(ttgir)
+        # FP32 tiles moved between layouts (through shared memory unless the layouts agree on
+        # every thread's elements): what a mismatch between a kernel's tiles costs
+        stats["f32_converts"] = len(re.findall(r"ttg\.convert_layout %\S+ : tensor<[0-9x]+xf32", ttgir))
         warps = compiled.metadata.num_warps
         rows.append({"kernel": label, "grid": list(grid), "num_warps": warps, "shared": compiled.metadata.shared,
                      **stats, "warps_per_sm": resident_warps(stats["regs"], warps, compiled.metadata.shared)})

@@ -169,12 +169,15 @@ def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
-def test_a_one_token_write_compiles_without_the_search():
+def test_residual_writes_compile_without_the_search_or_fp32_layout_conversions():
     # a decode step's write (launch_packed_kv_write's ONE_TOKEN): the flush kernel for
     # sm_90 without the binary search over the call's positions -- fewer instructions and 64-bit
     # loads than the prompt's write, no spills
     rows = _report_by_name("--only", "write")
     many, one = rows["write 8K depth 1 [_write_flush_kernel]"], rows["write one token depth 1 [_write_flush_kernel]"]
     assert one["spill_ops"] == 0 and many["spill_ops"] == 0, (one, many)
+    # the predecessor's codes load in the layout of K's and V's FP32 halves: no FP32 tile moves
+    # through shared memory (eight did, and the 32K prompt's depth-1 write took 1.08 ms, not 0.58)
+    assert one["f32_converts"] == 0 and many["f32_converts"] == 0, (one["f32_converts"], many["f32_converts"])
     assert one["instructions"] < many["instructions"], (one["instructions"], many["instructions"])
     assert one["loads"].get("LDG.E.64", 0) < many["loads"].get("LDG.E.64", 0), (one["loads"], many["loads"])

@@ -270,15 +270,21 @@ def _bulk_residual_rows(rows, res_layout, j, b, B, S, p):
 
 @triton.jit
 def _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p, kw, b, h,
-            B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr, PAIR0: tl.constexpr = 0, NP: tl.constexpr = 0):
+            B, H, S, NB, D: tl.constexpr, DEPTH: tl.constexpr, PAIR0: tl.constexpr = 0, NP: tl.constexpr = 0,
+            VEC: tl.constexpr = 0):
     """FP32 K halves [BP, NP] (not rounded) of positions p in the flushed bulk of row (b, h), for
     the channel pairs PAIR0 .. PAIR0 + NP - 1 (NP = 0: all D/2): the base plus residuals 1..DEPTH
     where present. Pointers are the (b, h) bases of the codes and of the base parameters; kw: the
     K parameters' pair-word offsets in a block table ([1, NP] for a tile in one block, [BP, NP]
-    per position)."""
+    per position). VEC > 0: the codes load in vectors of VEC bytes at most, so that their tile
+    takes the layout of the caller's FP32 tiles of VEC-wide vectors (packed_write's flush: with
+    16-byte vectors of codes Triton moved four FP32 tiles through shared memory instead)."""
     HD: tl.constexpr = D // 2
     W: tl.constexpr = HD if NP == 0 else NP
-    i = PAIR0 + tl.arange(0, W)
+    if VEC > 0:
+        i = PAIR0 + tl.max_contiguous(tl.arange(0, W), VEC)
+    else:
+        i = PAIR0 + tl.arange(0, W)
     c = tl.load(kb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
     mn_e, mn_o = _pair_words(kb_min, kw, HD)
     sc_e, sc_o = _pair_words(kb_scale, kw, HD)
@@ -297,16 +303,18 @@ def _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, 
 
 @triton.jit
 def _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
-            D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, GROUP: tl.constexpr = -1):
+            D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, DEPTH: tl.constexpr, GROUP: tl.constexpr = -1,
+            VEC: tl.constexpr = 0):
     """FP32 V halves [BP, D/2] (not rounded) of positions p in the flushed bulk of row (b, h),
     as _bulk_k; the pointers are the (b, h) bases of codes and per-row parameters. GROUP >= 0:
-    only that group's G channels ([BP, G/2] halves, one parameter pair per row)."""
+    only that group's G channels ([BP, G/2] halves, one parameter pair per row). VEC: as
+    _bulk_k's, for GROUP >= 0."""
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // G
     if GROUP < 0:
         i = tl.arange(0, HD)
     else:
-        i = GROUP * (G // 2) + tl.arange(0, G // 2)
+        i = GROUP * (G // 2) + (tl.max_contiguous(tl.arange(0, G // 2), VEC) if VEC > 0 else tl.arange(0, G // 2))
     c = tl.load(vb_codes + p[:, None] * HD + i[None, :]).to(tl.int32)
     vmn, vsc = _row_group_params(vb_min, vb_scale, p, p >= 0, BP, NG, G, HD, GROUP)
     ve = vmn + vsc * (c & 15).to(tl.float32)

@@ -159,7 +159,13 @@ def _write_flush_kernel(
                     # their predecessors') are issued together, before either is reduced or stored:
                     # a program keeps both in flight (a 32K site at depth 1 1.126 -> 1.051 ms)
                     ch = g * G + tl.arange(0, G)
-                    i = g * HG + tl.arange(0, HG)
+                    if BASE:
+                        i = g * HG + tl.arange(0, HG)
+                    else:
+                        # the predecessor's codes as 4-byte vectors: their tiles then share the
+                        # layout of K's and V's halves (16-byte vectors of codes had Triton move
+                        # the four FP32 halves through shared memory)
+                        i = g * HG + tl.max_contiguous(tl.arange(0, HG), 4)
                     x = tl.where(mc, tl.load(xk_rows + ch[None, :] * sk_d, mask=mc, other=0.0).to(tl.float32),
                                  tl.load(k_tail + ring + ch[None, :], mask=mr, other=0.0).to(tl.float32))
                     xe, xo = tl.split(tl.reshape(x, [G, HG, 2]))
@@ -171,11 +177,11 @@ def _write_flush_kernel(
                         # flush's target), where base + residuals 1..d-1 are present exactly where the
                         # rows maps say, read as the bulk readers do (no ring, no per-token resolution)
                         re_, ro_ = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, p,
-                                           (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG)
+                                           (blk * HD + i)[None, :], b, h, B, H, S, NB, D, PRED, g * HG, HG, VEC=4)
                         xe = xe - re_
                         xo = xo - ro_
                         re_, ro_ = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, p, b, B, S,
-                                           D, G, G, PRED, g)
+                                           D, G, G, PRED, g, VEC=4)
                         ye = ye - re_
                         yo = yo - ro_
                     # K: one group per channel over the block's active rows
