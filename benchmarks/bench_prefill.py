@@ -130,6 +130,17 @@ def prefill_parts(name: str, b: int, t: int, cfg, linear_params: int, head_param
     return parts
 
 
+def written_packed_cache(state, name: str, loops: int):
+    """The packed cache a prefill of config ``name`` writes (None without KV quantization). The
+    model's state outlives a configuration: a token-sparse run after an all-on one still holds the
+    all-on cache, whose depth_count it never writes (it read as no kept rows, no attention work)."""
+    from flashloop_compile.config import FlashLoopConfig
+
+    if state is None or not FlashLoopConfig.from_dict(config_options(name, CONFIGS, loops)).kv_residual_quantization.enabled:
+        return None
+    return state.packed
+
+
 def kept_causal_keys(depth_count: torch.Tensor, loops: int) -> list[float]:
     """Per loop r, the causal keys of the rows it computed, summed over the prompts: the packed
     cache's depth_count [B, T] (rows written at depths 0..depth_count - 1, token-sparse prefill's
@@ -229,8 +240,7 @@ def main() -> None:
             try:
                 graph, graph_inputs, trace_s = trace(TRACES.get(name, "fresh"))
                 fn, pass_s, report = compile_variant(graph, graph_inputs, options)
-                state = state_for_model(model)
-                packed = state.packed if state else None
+                packed = written_packed_cache(state_for_model(model), name, cfg.num_loops)
 
                 def run():
                     if packed is not None:

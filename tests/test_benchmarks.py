@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 import weakref
 from pathlib import Path
 
@@ -394,6 +395,17 @@ def test_prefill_parts_count_the_kept_rows_keys_where_the_cache_records_them():
     assert sparse["flops"] == cfg.num_hidden_layers * pair * (6.0 + 3.0)
     assumed = {p["part"]: p for p in bench_prefill.prefill_parts("all_on", 1, t, cfg, 1000, 10)}
     assert assumed["attention, loops 1-2 (causal SDPA)"]["flops"] == parts["attention, loops 1-2 (causal SDPA)"]["flops"]
+
+
+def test_only_a_configuration_that_writes_the_packed_cache_counts_its_kept_rows():
+    """The model's state outlives a configuration: a token-sparse run after an all-on one must not
+    read the all-on cache (which it never writes: its depth_count read as no kept rows)."""
+    state = types.SimpleNamespace(packed=object())
+    assert bench_prefill.written_packed_cache(state, "all_on", 4) is state.packed
+    assert bench_prefill.written_packed_cache(state, "kv_quant", 4) is state.packed
+    assert bench_prefill.written_packed_cache(state, "token_sparse", 4) is None
+    assert bench_prefill.written_packed_cache(state, "dense", 4) is None
+    assert bench_prefill.written_packed_cache(None, "all_on", 4) is None
 
 
 def test_benches_take_the_quality_harness_config_names():
