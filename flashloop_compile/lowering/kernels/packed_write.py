@@ -31,7 +31,7 @@ def _write_flush_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
     k_tail, v_tail, flushed, row_count, rows, depth_count, res_layout, overflow,
-    k, v, positions, skey, contig, counts, scratch,
+    k, v, positions, skey, contig, counts, scratch, compact,
     sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sp_b, sp_t,
     Tn, depth_arg, B, H, S, NB, CAPT, R,
     NCH, D: tl.constexpr, G: tl.constexpr, NSEARCH: tl.constexpr, NBP: tl.constexpr,
@@ -216,14 +216,17 @@ def _write_flush_kernel(
                         tl.store(v_res_scale + (bh * CAPT + grow) * NG + g, vsc, mask=fits)
             else:
                 # the active rows in position order: rank r (= local - row) goes to tile r // RT,
-                # slot r % RT. A tile's slots find their rows by matching ranks (an [RT, G]
-                # comparison), so the tile loads and reconstructs only active rows
+                # slot r % RT, so a tile loads and reconstructs only active rows. The ranks are
+                # inverted through this program's slice of `compact` (rank -> the row in the
+                # group, and its index in the call's positions or -1 for a ring row): a tile
+                # loads its RT entries (an [RT, G] rank match per tile and channel group cost
+                # 14% of the kernel's instructions and its spills at depth 2)
                 n_tiles = (n_act + RT - 1) // RT
                 n_first = tl.where(n_tiles > 1, n_tiles, 0)  # the extrema pass, where one tile does not hold them
-                rk = tl.where(act, local - row, -1)[None, :]
-                gi = tl.arange(0, G)[None, :]
-                ci = in_call.to(tl.int32)[None, :]
-                xi = idx.to(tl.int32)[None, :]
+                cslot = compact + ((b * H + h) * NCH + c) * (2 * G)
+                tl.store(cslot + (local - row), tl.arange(0, G), mask=act)
+                tl.store(cslot + G + (local - row), tl.where(in_call, idx, -1).to(tl.int32), mask=act)
+                tl.debug_barrier()  # the entries other threads stored
                 for g in tl.static_range(NG):
                     ch = g * G + tl.arange(0, G)
                     i = g * HG + tl.arange(0, HG)
@@ -235,12 +238,12 @@ def _write_flush_kernel(
                     while it < n_first + n_tiles:
                         first_pass = it < n_first
                         t = tl.where(first_pass, it, it - n_first) * RT + tl.arange(0, RT)
-                        hit = rk == t[:, None]
                         ok = t < n_act
-                        r = tl.sum(tl.where(hit, gi, 0), 1)
-                        inc = ok & (tl.sum(tl.where(hit, ci, 0), 1) > 0)
-                        ring_ok = ok & (inc == 0)
-                        ix = tl.sum(tl.where(hit, xi, 0), 1).to(tl.int64)
+                        r = tl.load(cslot + t, mask=ok, other=0)
+                        xc = tl.load(cslot + G + t, mask=ok, other=-1)
+                        inc = ok & (xc >= 0)
+                        ring_ok = ok & (xc < 0)
+                        ix = tl.maximum(xc, 0).to(tl.int64)
                         ps = s.to(tl.int64) + r.to(tl.int64)
                         xr = (b * sk_b + h * sk_h + ix * sk_t)[:, None]
                         ring = (((b * R + depth) * H + h) * RING + ps % RING)[:, None] * D
@@ -283,6 +286,7 @@ def _write_flush_kernel(
                             tl.store(v_res_min + (bh * CAPT + gt) * NG + g, vmn, mask=ft)
                             tl.store(v_res_scale + (bh * CAPT + gt) * NG + g, vsc, mask=ft)
                         it += 1
+                tl.debug_barrier()  # every tile read the slice before the next group rewrites it
         row += n_act
         s += G
     if not COUNT:
@@ -385,17 +389,19 @@ def launch_packed_kv_write(tensors, k, v, positions, depth: int, *, wrap=no_wrap
     base = depth == 0
     counted = not base and not one_token  # ranges after the first need the rows allocated before them
     counts = torch.empty(Bc, nbp if counted else 1, dtype=torch.int32, device=dev)
+    rt = active_rows_tile(depth, G) if rows_tile is None else 0 if base else int(rows_tile)
+    if rt and (rt & (rt - 1) or rt > G):
+        raise ValueError(f"rows_tile must be 0 or a power of two up to the group ({G}), got {rt}")
+    # the active-row flush's rank inversion: 2 G entries per program (rows_tile > 0 only)
+    compact = torch.empty(Bc * H * chunks * 2 * G if rt else 1, dtype=torch.int32, device=dev)
     args = (
         c.k_base, c.k_base_min, c.k_base_scale, c.v_base, c.v_base_min, c.v_base_scale,
         c.k_res, c.k_res_min, c.k_res_scale, c.v_res, c.v_res_min, c.v_res_scale,
         c.k_tail, c.v_tail, c.flushed, c.row_count, c.rows, c.depth_count, c.res_layout, c.overflow,
-        k, v, positions, skey, contig, counts, scratch,
+        k, v, positions, skey, contig, counts, scratch, compact,
         *k.stride(), *v.stride(), *positions.stride(),
         Tn, depth + DEPTH_BIAS, B, H, S, NB, CAPT, R,
     )
-    rt = active_rows_tile(depth, G) if rows_tile is None else 0 if base else int(rows_tile)
-    if rt and (rt & (rt - 1) or rt > G):
-        raise ValueError(f"rows_tile must be 0 or a power of two up to the group ({G}), got {rt}")
     meta = dict(NCH=chunks, D=D, G=G, NSEARCH=nsearch, NBP=nbp, BASE=base, PRED=max(0, depth - 1), ONE_TOKEN=one_token)
     if counted:
         wrap(_write_flush_kernel)[(Bc, 1, chunks)](*args, COUNT=True, RT=0, **meta, num_warps=2)
