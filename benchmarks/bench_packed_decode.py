@@ -239,19 +239,14 @@ SWEEP = [  # (name, launcher kwargs): the generic path, then the fast path's lau
     # head), vs the read-and-attend body (packed_ops.correction_read_attend, the op's body at this
     # shape: the bulk read's tiles attended in registers, one softmax partial per tile, no BF16
     # copy; PACKED_READ attend_block_p: 32 keys per program at depth 2, 16 at depth 3), fixed tiles
-    # and warps (one entry of attend_block_p: every depth). Fewer warps per program keep the
-    # reductions over a tile's keys inside a warp: the kernel's L1 traffic is mostly shared memory
-    # (ncu, DESIGN.md section 7), and at one warp and 8 keys sm_90 gives 9 barriers and 12 LDS
-    # against 37 and 72 at four warps and 32 keys, at the same 168 registers (depth 2; depth 3
-    # uncapped: 221 registers, 11 barriers, 14 LDS against 96 capped, 41 and 50)
+    # and warps (one entry of attend_block_p: every depth), and register caps (attend_maxnreg: 128
+    # at depths 2-3 by default)
     ("correction read then correct", {"correction": "read"}),
     ("correction read attend", {"correction": "read_attend"}),
     *[(f"correction read attend {tag}", {"correction": "read_attend", "read_config": cfg})
       for tag, cfg in (("bp16", {"attend_block_p": (16,)}), ("bp32", {"attend_block_p": (32,)}),
                        ("w8", {"num_warps": 8}), ("bp64 w8", {"attend_block_p": (64,), "num_warps": 8}),
-                       # (uncapped: under depth 3's 96-register cap these spill 350-390 ops)
-                       ("w2 bp16", {"attend_block_p": (16,), "num_warps": 2, "attend_maxnreg": (0,)}),
-                       ("w1 bp8", {"attend_block_p": (8,), "num_warps": 1, "attend_maxnreg": (0,)}))],
+                       ("cap96", {"attend_maxnreg": (96,)}), ("uncapped", {"attend_maxnreg": (0,)}))],
     # the correction kernel's launch: splits of the selected set (default: about 2 programs per SM)
     *[(f"correction read then correct {name}", {"correction": "read", "config": cfg})
       for name, cfg in (("s16", {"split_corr": 16}), ("s32", {"split_corr": 32}),

@@ -94,19 +94,39 @@ def test_linear_reference_kernels_fit_without_spills_and_pipeline_their_paramete
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
-def test_the_read_attend_correction_keeps_five_programs_per_sm_at_depth_three():
+def test_the_read_attend_correction_keeps_four_programs_per_sm_at_depths_two_and_three():
     # PACKED_READ attend_block_p: 16 keys per program at depth 3, where 32 took 176 registers (two
-    # programs per SM) and lost per site. attend_maxnreg caps depth 3 at 96 registers: five programs
-    # per SM instead of three (138 uncapped), bought with a few spills, 14% faster per B1 x 32K site
-    # (benchmarks/results/2026-12-06/register-caps); the tile's codes stay in 128-bit loads
-    # (uncapped, the V-only correction of reuse_selected_probabilities: 72 registers, no spills)
-    row, values = _report("--only", "attend", "--depth", "3")
-    assert row["kernel"] == "read attend B4 32K (correction, 16 keys) [_read_attend_kernel]", row
-    assert row["grid"] == [4, 16, 205], row  # 3277 selected keys in tiles of 16
-    assert row["regs"] <= 96 and row["warps_per_sm"] >= 20, row
-    assert row["loads"].get("LDG.E.128", 0) > 0, row["loads"]
-    assert values["kernel"].endswith("[_read_values_kernel]") and values["grid"] == [4, 16, 205], values
-    assert values["spill_ops"] == 0, values
+    # programs per SM) and lost per site. attend_maxnreg caps depths 2 and 3 at 128 registers: four
+    # programs per SM instead of three (168 uncapped), 2-5% faster per B1 x 32K site
+    # (benchmarks/results/2026-12-07/correction-chunk-layout); the tile's codes stay in 128-bit
+    # loads (uncapped, the V-only correction of reuse_selected_probabilities: no spills)
+    for depth, tiles in ((2, 103), (3, 205)):  # 3277 selected keys in tiles of 32 and 16
+        row, values = _report("--only", "attend", "--depth", str(depth))
+        assert row["kernel"].endswith("[_read_attend_kernel]") and row["grid"] == [4, 16, tiles], row
+        assert row["regs"] <= 128 and row["warps_per_sm"] >= 16, row
+        assert row["loads"].get("LDG.E.128", 0) > 0, row["loads"]
+        assert values["kernel"].endswith("[_read_values_kernel]") and values["grid"] == [4, 16, tiles], values
+        assert values["spill_ops"] == 0, values
+
+
+@pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
+def test_the_read_attend_bulk_tile_lays_keys_on_lanes_and_channel_chunks_on_warps(tmp_path):
+    # _attend_bulk_tile's [keys, chunks, 16 pairs] tile: a key per lane, a 16-byte chunk of its
+    # codes per warp, so the softmax and PV reductions over the tile's keys stay inside a warp and
+    # only the scores' sum over chunks crosses warps. Triton lays [32 keys, 64 pairs] tiles out with
+    # keys over 8 lanes x 4 warps (shared-memory reductions per tile: 80 shared stores and 37
+    # barriers per program at depth 2 against 42 and 28 with this tile)
+    run = subprocess.run(
+        [sys.executable, "scripts/kernel_report.py", "--only", "attend", "--depth", "2", "--json", "--dump", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = json.loads(run.stdout.splitlines()[0])
+    ttgir = next(tmp_path.glob("read_attend_*_read_attend_kernel.ttgir")).read_text()
+    assert ("sizePerThread = [1, 1, 16], threadsPerWarp = [32, 1, 1], warpsPerCTA = [1, 4, 1]" in ttgir), (
+        [line for line in ttgir.splitlines() if line.startswith("#blocked")])
+    shared_stores = sum(n for op, n in row["stores"].items() if op.startswith("STS"))
+    assert shared_stores <= 48 and row["bar_sync"] <= 30, (row["stores"], row["bar_sync"])
 
 
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():

@@ -20,7 +20,8 @@ import triton.language as tl
 from flashloop_compile.lowering.kernels import common
 from flashloop_compile.lowering.kernels.common import first_inflight, next_pow2, no_wrap
 from flashloop_compile.lowering.kernels.packed_codec import (
-    DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _bulk_k, _bulk_v, _flushed_min, _geometry, _reconstruct, _round_to, _row_bases,
+    DEPTH_BIAS, _CDTYPE_CODE, _DEPTH_BIAS, _bulk_k, _bulk_residual_rows, _bulk_v, _flushed_min, _geometry, _pair_words,
+    _reconstruct, _round_to, _row_bases,
     residual_unroll,
 )
 from flashloop_compile.lowering.packed_layout import PackedTensors
@@ -246,6 +247,64 @@ def _attend_tile(qe, qo, ke, ko, ve, vo, valid, scale):
 
 
 @triton.jit
+def _attend_bulk_tile(
+    qe, qo, p, valid, b, h, scale,
+    k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+    k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+    B, H, S, NB, CAPT,
+    D: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr, DEPTH: tl.constexpr, VW: tl.constexpr,
+):
+    """The softmax partial of a bulk tile (positions p [BP], valid: inside the selection) of row
+    (b, h) against the query halves qe, qo [1, NC, VW]: (max, sum of exp, weighted V halves [NC, VW]).
+    The tile is [BP, NC, VW]: a key's code row split into NC chunks of VW bytes (channel pairs c * VW
+    .. c * VW + VW - 1), so that Triton lays the keys over a warp's lanes and the chunks over the
+    warps. The reductions over a tile's keys (softmax, PV) then stay inside each warp (shuffles);
+    only the scores' sum over the chunks crosses warps. The arithmetic and rounding of
+    _bulk_k / _bulk_v (the readers' values, rounded to the compute dtype)."""
+    HD: tl.constexpr = D // 2
+    NC: tl.constexpr = HD // VW
+    NG: tl.constexpr = D // G
+    bh = b * H + h
+    pc = tl.where(valid, p, 0).to(tl.int32)
+    k3 = pc[:, None, None]
+    pair = tl.arange(0, NC)[None, :, None] * VW + tl.arange(0, VW)[None, None, :]  # [1, NC, VW]
+    grp = (tl.arange(0, NC)[None, :, None] * (2 * VW)) // G  # each chunk's V group (a chunk lies in one)
+    kw = (k3 // G) * HD + pair  # the key's block of K parameters, one 32-bit word per pair
+    c = tl.load(k_base + bh * S * HD + k3 * HD + pair).to(tl.int32)
+    mn_e, mn_o = _pair_words(k_base_min + bh * NB * D, kw, HD)
+    sc_e, sc_o = _pair_words(k_base_scale + bh * NB * D, kw, HD)
+    ke = mn_e + sc_e * (c & 15).to(tl.float32)
+    ko = mn_o + sc_o * (c >> 4).to(tl.float32)
+    c = tl.load(v_base + bh * S * HD + k3 * HD + pair).to(tl.int32)
+    vmn = tl.load(v_base_min + (bh * S + k3) * NG + grp).to(tl.float32)
+    vsc = tl.load(v_base_scale + (bh * S + k3) * NG + grp).to(tl.float32)
+    ve = vmn + vsc * (c & 15).to(tl.float32)
+    vo = vmn + vsc * (c >> 4).to(tl.float32)
+    for j in tl.static_range(1, DEPTH + 1):
+        has, g = _bulk_residual_rows(rows, res_layout, j, b, B, S, k3)
+        g = bh * CAPT + g
+        c = tl.load(k_res + g * HD + pair, mask=has, other=0).to(tl.int32)
+        pk = (((j - 1) * B + b) * H + h) * NB * D
+        mn_e, mn_o = _pair_words(k_res_min + pk, kw, HD)
+        sc_e, sc_o = _pair_words(k_res_scale + pk, kw, HD)
+        ke = tl.where(has, ke + (mn_e + sc_e * (c & 15).to(tl.float32)), ke)
+        ko = tl.where(has, ko + (mn_o + sc_o * (c >> 4).to(tl.float32)), ko)
+        c = tl.load(v_res + g * HD + pair, mask=has, other=0).to(tl.int32)
+        vmn = tl.load(v_res_min + g * NG + grp, mask=has, other=0.0).to(tl.float32)
+        vsc = tl.load(v_res_scale + g * NG + grp, mask=has, other=0.0).to(tl.float32)
+        ve = tl.where(has, ve + (vmn + vsc * (c & 15).to(tl.float32)), ve)
+        vo = tl.where(has, vo + (vmn + vsc * (c >> 4).to(tl.float32)), vo)
+    ke = _round_to(ke, CD)
+    ko = _round_to(ko, CD)
+    sk = tl.sum(tl.sum(ke * qe + ko * qo, 2), 1)  # [BP]: the chunks' partial dots summed across warps
+    s = tl.where(valid, sk * scale, float("-inf"))
+    m = tl.max(s, 0)
+    pr = tl.exp(s - tl.where(m > float("-inf"), m, 0.0))
+    w = pr[:, None, None]
+    return m, tl.sum(pr, 0), tl.sum(w * _round_to(ve, CD), 0), tl.sum(w * _round_to(vo, CD), 0)
+
+
+@triton.jit
 def _read_attend_kernel(
     k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
     k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale,
@@ -255,17 +314,18 @@ def _read_attend_kernel(
     sip_b, sip_t, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d,
     scale, P, Ti, NT, B, H, S, NB, CAPT, R,
     D: tl.constexpr, G: tl.constexpr, NP: tl.constexpr, BP: tl.constexpr, CD: tl.constexpr,
-    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr,
+    RP: tl.constexpr, DEPTH: tl.constexpr, SPLIT: tl.constexpr, VW: tl.constexpr,
 ):
     """Sparse decode's correction for one query row per kv head (row b * H + h), read and attended
     in one pass: program z (counted from the last tile, so that the row's per-token tile,
     which holds its highest positions, starts in the first wave instead of the last) takes the
     selected keys [z * BP, (z + 1) * BP) of the row (keys
     [B, H, P] global positions, the first count[b, h] valid), reconstructs them in registers as
-    packed_read does (a tile _bulk_read_tile's rule admits: _bulk_k / _bulk_v, no per-token state;
-    any other: _resolve_tile on SPLIT sub-tiles, the in-flight tokens included; the bulk bound
-    takes the row's first in-flight position from in_positions, no launch of its own) and writes the
-    tile's softmax partial (max, sum, weighted V) for _correction_combine_kernel. The values
+    packed_read does (a tile _bulk_read_tile's rule admits: _attend_bulk_tile, no per-token state,
+    keys on a warp's lanes and chunks of VW channel pairs on the warps; any other: _resolve_tile on
+    SPLIT sub-tiles, the in-flight tokens included; the bulk bound takes the row's first in-flight
+    position from in_positions, no launch of its own) and writes the tile's softmax partial (max,
+    sum, weighted V) for _correction_combine_kernel. The values
     attended are packed_read's, rounded to the compute dtype: the correction over the BF16 copy
     without the copy (its write and its re-read)."""
     HD: tl.constexpr = D // 2
@@ -291,18 +351,20 @@ def _read_attend_kernel(
     valid = t < cnt
     p = tl.load(kr + t * skey_t, mask=valid, other=-1).to(tl.int64)
     if _selected_in_bulk(p, valid, flushed + b * R, in_positions + b * sip_b, sip_t, Ti, S, DEPTH, RP):
-        pc = tl.where(valid, p, 0).to(tl.int32)
-        kw = ((pc // G) * HD)[:, None] + tl.arange(0, HD)[None, :]
-        kb_codes, kb_min, kb_scale, vb_codes, vb_min, vb_scale, kr_codes, vr_codes, vr_min, vr_scale = _row_bases(
-            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale, k_res, v_res, v_res_min, v_res_scale,
-            b * H + h, S, NB, CAPT, D, G,
+        pair = tl.arange(0, HD // VW)[None, :, None] * VW + tl.arange(0, VW)[None, None, :]
+        qe3 = tl.load(q + b * sq_b + h * sq_h + 2 * pair * sq_d).to(tl.float32)
+        qo3 = tl.load(q + b * sq_b + h * sq_h + (2 * pair + 1) * sq_d).to(tl.float32)
+        m_b, l_b, a_e, a_o = _attend_bulk_tile(
+            qe3, qo3, p, valid, b, h, scale,
+            k_base, k_base_min, k_base_scale, v_base, v_base_min, v_base_scale,
+            k_res, k_res_min, k_res_scale, v_res, v_res_min, v_res_scale, rows, res_layout,
+            B, H, S, NB, CAPT, D, G, BP, CD, DEPTH, VW,
         )
-        ke, ko = _bulk_k(kb_codes, kb_min, kb_scale, kr_codes, k_res_min, k_res_scale, rows, res_layout, pc, kw, b, h,
-                         B, H, S, NB, D, DEPTH)
-        ve, vo = _bulk_v(vb_codes, vb_min, vb_scale, vr_codes, vr_min, vr_scale, rows, res_layout, pc, b, B, S, D, G,
-                         BP, DEPTH)
-        m_i, l_i, acc_e, acc_o = _attend_tile(qe, qo, _round_to(ke, CD), _round_to(ko, CD), _round_to(ve, CD),
-                                              _round_to(vo, CD), valid, scale)
+        tl.store(part_m + out, m_b)
+        tl.store(part_l + out, l_b)
+        pair2 = tl.arange(0, HD // VW)[:, None] * VW + tl.arange(0, VW)[None, :]
+        tl.store(part_acc + out * D + 2 * pair2, a_e)
+        tl.store(part_acc + out * D + 2 * pair2 + 1, a_o)
     else:  # the ring, the in-flight tokens, an unflushed depth: per-token resolution, sub-tile by sub-tile
         BS: tl.constexpr = BP // SPLIT
         m_i = tl.full([], float("-inf"), tl.float32)
@@ -331,10 +393,10 @@ def _read_attend_kernel(
             acc_e = acc_e * w_old + a_e * w_new
             acc_o = acc_o * w_old + a_o * w_new
             m_i = m_new
-    tl.store(part_m + out, m_i)
-    tl.store(part_l + out, l_i)
-    tl.store(part_acc + out * D + 2 * i, acc_e, mask=i < HD)
-    tl.store(part_acc + out * D + 2 * i + 1, acc_o, mask=i < HD)
+        tl.store(part_m + out, m_i)
+        tl.store(part_l + out, l_i)
+        tl.store(part_acc + out * D + 2 * i, acc_e, mask=i < HD)
+        tl.store(part_acc + out * D + 2 * i + 1, acc_o, mask=i < HD)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,14 +413,15 @@ def _read_attend_kernel(
 # positions per program of the code-domain reference's window read (all per-token tiles), one
 # sub-tile each (8.7 / 21.3 us against 15.6 / 25.5 at B1 / B4 x 32K). attend_maxnreg: the
 # read-and-attend correction's register cap by depth (0: the compiler's choice). The kernel waits on
-# dependent loads, so at depth 3 programs in flight beat spills: 96 registers, 5 programs per SM
-# against 3 at 138, 53.2 against 61.7 us per B1 x 32K site and 164.4 against 195.2 at B4 (H100,
-# b84d7b1, 4b8190e); in the compiled 1x32K all-on step the corrections 2.26 -> 2.09 ms, because
-# the kernel is launched by the opaque op flashloop::packed_read_attend, not through wrap_triton,
-# whose Inductor compile drops maxnreg (DESIGN.md, "A register cap reaches a compiled graph through
-# an opaque op"); every cap at depth 2 and on the V-only kernel loses (results/2026-12-06/register-caps).
+# dependent loads, so programs in flight beat spills: 128 registers at depths 2-3 (4 programs per
+# SM against 3 at 168), per B1 x 32K site 45.3 against 46.1 us at depth 2 and 48.8 against 51.3 at
+# depth 3 (capped at 96 there before), 122.3 against 124.4 at B4 depth 2 (H100, 2026-12-07,
+# results/2026-12-07/correction-chunk-layout). The cap reaches the compiled step because the kernel
+# is launched by the opaque op flashloop::packed_read_attend, not through wrap_triton, whose
+# Inductor compile drops maxnreg (DESIGN.md, "A register cap reaches a compiled graph through an
+# opaque op"); caps on the V-only kernel lose (results/2026-12-06/register-caps).
 PACKED_READ = {"num_warps": 4, "block_p": None, "generic_split": 4, "attend_block_p": (32, 32, 32, 16),
-               "window_block_p": 8, "attend_maxnreg": (0, 0, 0, 96)}
+               "window_block_p": 8, "attend_maxnreg": (0, 0, 128, 128)}
 
 
 def _by_depth(key: str, depth: int) -> int:
@@ -489,7 +552,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=residual_unroll(depth), DEPTH=depth, SPLIT=split,
-        num_warps=PACKED_READ["num_warps"], **({"maxnreg": nreg} if nreg else {}),
+        VW=min(16, D // 2), num_warps=PACKED_READ["num_warps"], **({"maxnreg": nreg} if nreg else {}),
     )
     return part_m, part_l, part_acc, nt
 
