@@ -26,10 +26,10 @@ LENGTHS = (200, 131)  # stored tokens per row: neither a multiple of the group
 TILE = 16
 
 
-def _case(dtype, depth: int, padded_row: bool = False, seed: int = 31):
+def _case(dtype, depth: int, padded_row: bool = False, seed: int = 31, group: int = 64):
     """A cache with residuals on nested subsets, loop 2's selection from the ATen reference (keys in
     its order), and the arguments of a correction at ``depth`` with this depth's in-flight token."""
-    cache, g = nested_residual_cache(dtype, 64, S, LENGTHS, H, D, R, seed, lambda k, d: k * (1 + 0.5 * d),
+    cache, g = nested_residual_cache(dtype, group, S, LENGTHS, H, D, R, seed, lambda k, d: k * (1 + 0.5 * d),
                                      lambda v, d: v - 0.2 * d)
     q = (2.0 * torch.randn(B, H, 1, D, generator=g)).to(dtype)  # sharp: the in-flight token is selected
     ki = torch.randn(B, H, 1, D, generator=g).to(dtype)
@@ -79,6 +79,16 @@ def test_read_attend_matches_read_then_correct(dtype, depth):
         got = PS.correction_read_attend(*args, inflight, depth, tensors, 0.125, block_p=block_p)
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=lambda m: f"block_p {block_p}: {m}")
+
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_read_attend_matches_read_then_correct_at_every_group_size(group):
+    # a bulk tile's chunk of channel pairs lies in one V group (16 pairs at the default group 64,
+    # fewer below 32 channels): each chunk's V parameters are its group's
+    tensors, args, inflight = _case(torch.float32, 2, group=group)
+    want = PS.packed_correction_attention_aten(*args, *inflight, 2, *tensors, 0.125)
+    got = PS.correction_read_attend(*args, inflight, 2, tensors, 0.125, block_p=TILE)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_read_attend_takes_the_keys_in_any_order_and_a_padded_row():

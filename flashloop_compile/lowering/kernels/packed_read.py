@@ -257,8 +257,8 @@ def _attend_bulk_tile(
     """The softmax partial of a bulk tile (positions p [BP], valid: inside the selection) of row
     (b, h) against the query halves qe, qo [1, NC, VW]: (max, sum of exp, weighted V halves [NC, VW]).
     The tile is [BP, NC, VW]: a key's code row split into NC chunks of VW bytes (channel pairs c * VW
-    .. c * VW + VW - 1), so that Triton lays the keys over a warp's lanes and the chunks over the
-    warps. The reductions over a tile's keys (softmax, PV) then stay inside each warp (shuffles);
+    .. c * VW + VW - 1; 2 VW <= G, so a chunk lies in one V group), so that Triton lays the keys
+    over a warp's lanes and the chunks over the warps. The reductions over a tile's keys (softmax, PV) then stay inside each warp (shuffles);
     only the scores' sum over the chunks crosses warps. The arithmetic and rounding of
     _bulk_k / _bulk_v (the readers' values, rounded to the compute dtype)."""
     HD: tl.constexpr = D // 2
@@ -552,7 +552,7 @@ def launch_packed_read_attend(tensors, q, keys, count, depth: int, scale: float,
         *ip.stride(), *k_in.stride(), *v_in.stride(),
         float(scale), P, ip.shape[1], nt, B, H, S, NB, CAPT, R,
         D=D, G=G, NP=np_, BP=bp, CD=_CDTYPE_CODE[c.k_tail.dtype], RP=residual_unroll(depth), DEPTH=depth, SPLIT=split,
-        VW=min(16, D // 2), num_warps=PACKED_READ["num_warps"], **({"maxnreg": nreg} if nreg else {}),
+        VW=min(16, D // 2, G // 2), num_warps=PACKED_READ["num_warps"], **({"maxnreg": nreg} if nreg else {}),
     )
     return part_m, part_l, part_acc, nt
 
