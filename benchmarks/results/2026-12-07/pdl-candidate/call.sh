@@ -21,7 +21,7 @@ run() {  # run TREE CONFIGS SHAPE
 }
 case ${MODE:-tests} in
   tests)
-    PYTHONPATH=$PWD timeout 330 python3 -m pytest -m gpu -q -n 8 tests/gpu > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$? $(( $(date +%s) - S )) s"
+    PYTHONPATH=$PWD timeout 330 python3 -m pytest -m gpu -q -rf -n 8 tests/gpu > $OUT/gpu_tests.log 2>&1; echo "gpu tests rc=$? $(( $(date +%s) - S )) s"
     tail -5 $OUT/gpu_tests.log | cut -c1-200 ;;
   step)
     for t in cand base cand base; do run $t sparse+quant 1x32768; done ;;
