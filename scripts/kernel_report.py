@@ -12,6 +12,7 @@ here before it is timed.
     python scripts/kernel_report.py --only read --depth 3  # loop depth of the decode and read launches (a bulk-kernel constexpr)
     python scripts/kernel_report.py --only decode --tuning '{"block_n": 64}'
     python scripts/kernel_report.py --dump out/sass        # also writes each kernel's SASS and loops (.loops.txt)
+    python scripts/kernel_report.py --only write --depth 0 --lines 8  # the source lines that cost the most SASS
 
 The launchers run on CPU tensors at real shapes (ouro-1.4b: 16 kv heads x 128, bf16) with a fake
 Triton driver that reports an sm_90 target, and every launch is compiled (JITFunction.warmup)
@@ -91,12 +92,14 @@ def _compiling_wrap(sink: list):
     return wrap
 
 
-def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
+def _sass_stats(cubin: bytes, dump: Path | None, name: str, lines: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         usage = subprocess.run([BIN / "cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
         sass = subprocess.run([BIN / "nvdisasm", "-c", "-hex", path], capture_output=True, text=True).stdout
+        # Triton's cubins carry line info: the same listing with each source line's marker
+        with_lines = subprocess.run([BIN / "nvdisasm", "-c", "-g", path], capture_output=True, text=True).stdout if lines else ""
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{name}.sass").write_text(sass)
@@ -125,7 +128,29 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str) -> dict:
         "loop_mix": dict(loops[0][1]) if loops else {},  # the largest loop's opcodes (no modifiers)
         "loads": dict(sorted(loads.items())),
         "stores": dict(sorted(stores.items())),
+        "lines": [{"line": where, "instructions": n, "mix": dict(mix.most_common(5))}
+                  for where, n, mix in _by_line(with_lines)[:lines]],
     }
+
+
+_LINE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
+
+
+def _by_line(sass: str) -> list[tuple[str, int, collections.Counter]]:
+    """SASS instructions per source line of a listing with line info (``nvdisasm -g``), as
+    (file name:line, instructions, opcode mix without modifiers), most first. A helper inlined
+    into the kernel counts at its own line (``packed_codec.py:110``), so a per-value helper's cost
+    shows whatever calls it; static counts: a loop's body counts once, a branch not taken too."""
+    where, mix = None, collections.defaultdict(collections.Counter)
+    for line in sass.splitlines():
+        m = _LINE.match(line)
+        if m:
+            where = f"{Path(m.group(1)).name}:{m.group(2)}"
+            continue
+        m = _INSTR.match(line)
+        if m and where is not None:
+            mix[where][m.group(1).split(".")[0]] += 1
+    return sorted(((w, sum(c.values()), c) for w, c in mix.items()), key=lambda x: -x[1])
 
 
 _INSTR = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -265,12 +290,14 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=1, help="loop depth of the decode, read and prompt-write launches (0..R-1; a constexpr of the bulk and write kernels)")
     ap.add_argument("--dump", type=Path, help="write each kernel's SASS and TTGIR here")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel instead of the table")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="also the N source lines with the most SASS instructions of each kernel, and their opcodes")
     args = ap.parse_args()
     driver.set_active(_AheadOfTimeDriver())
     rows = []
     for label, grid, kwargs, compiled in launches(args.only, json.loads(args.tuning), args.depth):
         name = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
-        stats = _sass_stats(compiled.asm["cubin"], args.dump, name)
+        stats = _sass_stats(compiled.asm["cubin"], args.dump, name, args.lines)
         ttgir = compiled.asm["ttgir"]
         if args.dump is not None:  # Triton's GPU IR: the layout conversions behind SHFL/BAR counts
             (args.dump / f"{name}.ttgir").write_text(ttgir)
@@ -289,6 +316,9 @@ def main() -> None:
         loads = " ".join(f"{k}x{v}" for k, v in r["loads"].items())
         print(f"{r['kernel']:52s} {r['num_warps']:5d} {r['regs']!s:>5s} {r['warps_per_sm']!s:>5s} {r['spill_ops']:5d} {r['shared']:7d} "
               f"{r['instructions']:6d} {r['bar_sync']:4d} {r['shfl']:5d} {r['mma']:4d} {r['loop']:5d}  {loads}")
+        for e in r["lines"]:
+            mix = " ".join(f"{k}x{v}" for k, v in e["mix"].items())
+            print(f"    {e['instructions']:6d}  {e['line']:32s} {mix}")
 
 
 if __name__ == "__main__":

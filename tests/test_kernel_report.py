@@ -153,6 +153,32 @@ def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
     assert n == 6 and mix == {"HADD2": 1, "FFMA": 2, "BRA": 2, "ISETP": 1}
 
 
+def test_by_line_counts_each_instruction_at_the_source_line_marked_before_it():
+    # `--lines N`: the source lines that cost the most SASS instructions (nvdisasm -g marks each
+    # run of instructions with its line; an inlined helper's instructions carry the helper's line)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from kernel_report import _by_line
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    sass = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+	//## File "/src/flashloop_compile/lowering/kernels/packed_write.py", line 60
+        /*0010*/                   S2UR UR17, SR_CTAID.X ;
+	//## File "/src/flashloop_compile/lowering/kernels/packed_codec.py", line 110
+        /*0020*/                   FFMA R4, R2, R5, R4 ;
+        /*0030*/              @!P1 IMAD.MOV R60, RZ, RZ, R35 ;
+	//## File "/src/flashloop_compile/lowering/kernels/packed_write.py", line 60
+        /*0040*/                   S2R R0, SR_TID.X ;
+	//## File "/src/flashloop_compile/lowering/kernels/packed_codec.py", line 110
+        /*0050*/                   FFMA.FTZ R4, R2, R5, R4 ;
+    """
+    assert [(w, n, dict(mix)) for w, n, mix in _by_line(sass)] == [
+        ("packed_codec.py:110", 3, {"FFMA": 2, "IMAD": 1}),
+        ("packed_write.py:60", 2, {"S2UR": 1, "S2R": 1}),
+    ]
+
+
 def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
     # scripts/ncu_summary.py on ncu's text layout: the kernel line opens a
     # row; "Memory Throughput" appears twice (% of peak, then a rate whose unit varies); the
@@ -193,8 +219,12 @@ def test_residual_writes_compile_without_the_search_or_fp32_layout_conversions()
     # a decode step's write (launch_packed_kv_write's ONE_TOKEN): the flush kernel for
     # sm_90 without the binary search over the call's positions -- fewer instructions and 64-bit
     # loads than the prompt's write, no spills
-    rows = _report_by_name("--only", "write")
+    rows = _report_by_name("--only", "write", "--lines", "3")
     many, one = rows["write 8K depth 1 [_write_flush_kernel]"], rows["write one token depth 1 [_write_flush_kernel]"]
+    # --lines: each kernel's three costliest source lines, by file name and line (the cubins carry line info)
+    for r in (many, one):
+        assert len(r["lines"]) == 3 and all(e["line"].split(":")[0].endswith(".py") and e["instructions"] > 0
+                                            for e in r["lines"]), r["lines"]
     assert one["spill_ops"] == 0 and many["spill_ops"] == 0, (one, many)
     # the predecessor's codes load in the layout of K's and V's FP32 halves: no FP32 tile moves
     # through shared memory (eight did, and the 32K prompt's depth-1 write took 1.08 ms, not 0.58)
