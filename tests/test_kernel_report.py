@@ -1,6 +1,7 @@
 """scripts/kernel_report.py compiles the packed-KV kernels for sm_90 on this CPU-only machine and
 reads registers/spills from the cubin: the static check of a decode kernel's register budget."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -28,6 +29,15 @@ def _report(*args: str, tuning: dict | None = None) -> list[dict]:
 
 def _report_by_name(*args: str) -> dict[str, dict]:
     return {r["kernel"]: r for r in _report(*args)}
+
+
+def _script(name: str):
+    """The module scripts/<name>.py, imported for one of its helpers (scripts/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
 
 
 @pytest.mark.skipif(not (BIN / "ptxas").exists(), reason="the Triton wheel ships no ptxas here")
@@ -132,11 +142,7 @@ def test_the_read_attend_bulk_tile_lays_keys_on_lanes_and_channel_chunks_on_warp
 def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
     # The per-tile instruction count of a key-tile loop (the report's "loop" column): a label and a
     # later branch back to it; a forward branch to a later label is not a loop.
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from kernel_report import _loops
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    _loops = _script("kernel_report")._loops
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
     .L_x_1:
@@ -156,11 +162,7 @@ def test_loops_counts_each_loop_body_from_its_label_to_the_branch_back():
 def test_by_line_counts_each_instruction_at_the_source_line_marked_before_it():
     # `--lines N`: the source lines that cost the most SASS instructions (nvdisasm -g marks each
     # run of instructions with its line; an inlined helper's instructions carry the helper's line)
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from kernel_report import _by_line
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    _by_line = _script("kernel_report")._by_line
     sass = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
 	//## File "/src/flashloop_compile/lowering/kernels/packed_write.py", line 60
@@ -183,11 +185,7 @@ def test_ncu_summary_reads_one_row_per_launch_with_units_and_stalls():
     # scripts/ncu_summary.py on ncu's text layout: the kernel line opens a
     # row; "Memory Throughput" appears twice (% of peak, then a rate whose unit varies); the
     # stall metrics come from the command-line section.
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from ncu_summary import parse
-    finally:
-        sys.path.pop(0)
+    parse = _script("ncu_summary").parse
     text = """
   _correction_kernel (64, 26, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
     Section: Command line profiler metrics
