@@ -139,8 +139,8 @@ _LINE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
 def _by_line(sass: str) -> list[tuple[str, int, collections.Counter]]:
     """SASS instructions per source line of a listing with line info (``nvdisasm -g``), as
     (file name:line, instructions, opcode mix without modifiers), most first. A helper inlined
-    into the kernel counts at its own line (``packed_codec.py:110``), so a per-value helper's cost
-    shows whatever calls it; static counts: a loop's body counts once, a branch not taken too."""
+    into the kernel counts at its own line (``packed_codec.py:110``), summed over its call sites.
+    The counts are static: a loop's body counts once, and so does a branch that never runs."""
     where, mix = None, collections.defaultdict(collections.Counter)
     for line in sass.splitlines():
         m = _LINE.match(line)
