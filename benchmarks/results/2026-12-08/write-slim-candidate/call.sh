@@ -1,12 +1,12 @@
 # device call (about 200 s): the slim write (4 and 8 warps) against HEAD's, one process, caches checked bit-equal
 # first. From the repo root at HEAD, carry [".gpurun"], with the candidate's packed_write.py (and
-# its _codes) in .gpurun/cand_slim.py:
-#   rm -rf /tmp/cand && mkdir /tmp/cand && git archive HEAD flashloop_compile | tar -x -C /tmp/cand
-#   (cd /tmp/cand && patch -p1 < $OLDPWD/benchmarks/results/2026-12-08/write-slim-candidate/write_slim.patch)
-#   python3 - <<'PY'  # packed_write.py with the candidate's _codes inlined after __all__
+# its codec helpers) in .gpurun/cand_slim.py:
+#   rm -rf /tmp/cand && mkdir /tmp/cand && git archive HEAD | tar -x -C /tmp/cand
+#   (cd /tmp/cand && git apply $OLDPWD/benchmarks/results/2026-12-08/write-slim-candidate/write_slim.patch)
+#   python3 - <<'PY'  # packed_write.py with the candidate's _codes, _div15 and _params after __all__
 #   w = open('/tmp/cand/flashloop_compile/lowering/kernels/packed_write.py').read()
 #   c = open('/tmp/cand/flashloop_compile/lowering/kernels/packed_codec.py').read()
-#   f = c[c.index('@triton.jit\ndef _codes('):c.index('@triton.jit\ndef _params(')]
+#   f = c[c.index('@triton.jit\ndef _codes('):c.index('@triton.jit\ndef _reconstruct(')]
 #   a = '__all__ = ["launch_packed_kv_write"]\n'
 #   open('.gpurun/cand_slim.py', 'w').write(w.replace(a, a + '\n\n' + f))
 #   PY
