@@ -97,9 +97,8 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str, lines: int = 0) -> d
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         usage = subprocess.run([BIN / "cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
-        sass = subprocess.run([BIN / "nvdisasm", "-c", "-hex", path], capture_output=True, text=True).stdout
-        # Triton's cubins carry line info: the same listing with each source line's marker
-        with_lines = subprocess.run([BIN / "nvdisasm", "-c", "-g", path], capture_output=True, text=True).stdout if lines else ""
+        # Triton's cubins carry line info: -g marks each run of instructions with its source line
+        sass = subprocess.run([BIN / "nvdisasm", "-c", "-g", "-hex", path], capture_output=True, text=True).stdout
     if dump is not None:
         dump.mkdir(parents=True, exist_ok=True)
         (dump / f"{name}.sass").write_text(sass)
@@ -129,7 +128,7 @@ def _sass_stats(cubin: bytes, dump: Path | None, name: str, lines: int = 0) -> d
         "loads": dict(sorted(loads.items())),
         "stores": dict(sorted(stores.items())),
         "lines": [{"line": where, "instructions": n, "mix": dict(mix.most_common(5))}
-                  for where, n, mix in _by_line(with_lines)[:lines]],
+                  for where, n, mix in _by_line(sass)[:lines]],
     }
 
 
